@@ -1,0 +1,111 @@
+"""adaptive_eager: an adaptive eager-mode execution engine for PyTorch.
+
+The engine watches the aten ops a program runs on a managed device, learns the sequences it
+repeats (a training step, a decode step), fuses each into a cached micro-graph compiled in
+the background, and replays it as one launch. Nothing else changes: same values, same
+errors, same random numbers as eager.
+
+This module stays light: ``import torch`` imports it through the ``torch.backends`` entry
+point, so the engine itself is imported only when it is enabled.
+
+.. warning::
+    Engine state is per thread: ``enable()`` / ``enabled()`` act on the calling thread.
+    ``torch.utils.dlpack.to_dlpack`` reads memory invisibly to the engine; call
+    ``synchronize()`` first.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "enable", "disable", "enabled", "is_enabled", "mark_step", "synchronize", "stats",
+    "reset",
+]
+
+__version__ = "0.1.0"
+
+
+def _engine():
+    from .engine import ENGINE
+
+    return ENGINE
+
+
+def enable(*, devices=None, backend=None, hot_threshold=None, cache_size=None, crosscheck=None):
+    """Enable the engine on this thread.
+
+    Keywords left as None take their value from the ``NEURON_ADAPTIVE_EAGER_*`` environment
+    variables, else the defaults. A bad value raises ``ValueError`` naming it and the
+    accepted values. Enabling again reconfigures (pending work is flushed first).
+    """
+    from .config import resolve
+
+    config = resolve(devices=devices, backend=backend, hot_threshold=hot_threshold,
+                     cache_size=cache_size, crosscheck=crosscheck)
+    _engine().enable(config)
+
+
+def disable() -> None:
+    """Flush all pending work, then stop intercepting ops on this thread."""
+    if is_enabled():
+        _engine().disable()
+
+
+class enabled:
+    """``with ae.enabled(...):`` -- the engine on for the block, the previous state after.
+
+    Takes the same keywords as ``enable()``. On exit pending work is flushed.
+    """
+
+    def __init__(self, *, devices=None, backend=None, hot_threshold=None, cache_size=None,
+                 crosscheck=None):
+        from .config import resolve
+
+        self._config = resolve(devices=devices, backend=backend, hot_threshold=hot_threshold,
+                               cache_size=cache_size, crosscheck=crosscheck)
+        self._previous = []
+
+    def __enter__(self):
+        eng = _engine()
+        self._previous.append(eng.config())
+        eng.enable(self._config)
+        return self
+
+    def __exit__(self, *exc):
+        eng = _engine()
+        previous = self._previous.pop()
+        if previous is None:
+            eng.disable()
+        else:
+            eng.enable(previous)
+        return False
+
+
+def is_enabled() -> bool:
+    """Is the engine intercepting ops on this thread?"""
+    import sys
+
+    if "adaptive_eager.engine" not in sys.modules:
+        return False
+    return _engine().mode() is not None
+
+
+def mark_step() -> None:
+    """An explicit segment boundary. Never required: boundaries are found automatically."""
+    if is_enabled():
+        _engine().mark_step()
+
+
+def synchronize() -> None:
+    """Run all deferred work and wait for every device queue."""
+    if is_enabled():
+        _engine().synchronize()
+
+
+def stats():
+    """Counters of the engine (all threads): a ``Stats`` snapshot with a readable repr."""
+    return _engine().stats()
+
+
+def reset() -> None:
+    """Flush, then clear the trie, the compile cache and all counters."""
+    _engine().reset()

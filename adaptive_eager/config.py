@@ -1,0 +1,184 @@
+"""Every setting of the engine, declared once, read from the environment once.
+
+This module is a leaf: it imports nothing from the package and nothing heavy, because
+``import torch`` runs it through the ``torch.backends`` autoload entry point
+(``adaptive_eager._autoload``). Each variable is declared in ``VARIABLES`` with its type,
+default and a one-line doc; the README's table is written from the same declarations.
+
+Values are validated in one place (``_parse``) so that a bad environment variable and a bad
+keyword to ``ae.enable()`` produce the same one-line message naming the value and the
+accepted ones. The hot path never reads this module: the engine copies what it needs into
+its own objects when it is enabled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+__all__ = ["Config", "ConfigError", "VARIABLES", "from_env", "resolve"]
+
+BACKENDS = ("exact", "inductor")
+DEVICES = ("cpu", "cuda", "neuron")
+
+
+class ConfigError(ValueError):
+    """A setting has a value outside its accepted set; the message says which and what is accepted."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Var:
+    env: str  # environment variable name
+    field: str  # Config field (and ae.enable keyword, where one exists)
+    kind: str  # "bool" | "int" | "float" | "choice" | "devices"
+    default: object
+    doc: str
+    minimum: float | None = None
+    maximum: float | None = None
+    choices: tuple = ()
+
+
+VARIABLES: tuple[Var, ...] = (
+    Var("NEURON_ADAPTIVE_EAGER", "autoload", "bool", False,
+        "1 enables the engine at `import torch` (no code change); unset or 0 does nothing."),
+    Var("NEURON_ADAPTIVE_EAGER_DEVICES", "devices", "devices", ("neuron",),
+        "Comma list of devices whose ops the engine manages: cpu, cuda, neuron."),
+    Var("NEURON_ADAPTIVE_EAGER_BACKEND", "backend", "choice", None,
+        "Micro-graph backend: `exact` (bitwise-eager replay) or `inductor` (fused). "
+        "Default: inductor.", choices=BACKENDS),
+    Var("NEURON_ADAPTIVE_EAGER_HOT_THRESHOLD", "hot_threshold", "int", 2,
+        "Times a path must recur before its micro-graph is compiled.", minimum=1),
+    Var("NEURON_ADAPTIVE_EAGER_CACHE_SIZE", "cache_size", "int", 256,
+        "Compiled micro-graphs kept (LRU).", minimum=1),
+    Var("NEURON_ADAPTIVE_EAGER_CROSSCHECK", "crosscheck", "bool", False,
+        "1: every replay also runs its ops eagerly and compares; a mismatch raises."),
+    Var("NEURON_ADAPTIVE_EAGER_DEBUG", "debug", "int", 0,
+        "Log ladder on logger `adaptive_eager`: 1 compiles/fallbacks, 2 each replay, "
+        "3 trie and cache decisions, 4 generated graph code.", minimum=0, maximum=4),
+    Var("NEURON_ADAPTIVE_EAGER_VARIANTS", "variant_budget", "int", 8,
+        "Compiled variants allowed per path (recompile-storm guard); past it the path "
+        "runs eagerly.", minimum=1),
+    Var("NEURON_ADAPTIVE_EAGER_MAX_SEGMENT_OPS", "max_segment_ops", "int", 20000,
+        "Ops after which a segment is cut even without a boundary.", minimum=1),
+    Var("NEURON_ADAPTIVE_EAGER_MAX_TRIE_NODES", "max_trie_nodes", "int", 200000,
+        "Trie size budget per thread; past it new paths are not learned.", minimum=1),
+    Var("NEURON_ADAPTIVE_EAGER_RETIRE_RATIO", "retire_ratio", "float", 1.10,
+        "A fused graph whose measured step time exceeds this multiple of the eager "
+        "step it replaces is retired; 0 disables the check.", minimum=0.0),
+)
+
+_BY_FIELD = {v.field: v for v in VARIABLES}
+
+TRUE = ("1", "true", "yes", "on")
+FALSE = ("0", "false", "no", "off", "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The effective settings of one enabled engine."""
+
+    devices: tuple[str, ...] = ("neuron",)
+    backend: str | None = None
+    hot_threshold: int = 2
+    cache_size: int = 256
+    crosscheck: bool = False
+    debug: int = 0
+    variant_budget: int = 8
+    max_segment_ops: int = 20000
+    max_trie_nodes: int = 200000
+    retire_ratio: float = 1.10
+
+    def backend_for(self, device_type: str) -> str:
+        """Backend used for segments on ``device_type``."""
+        return self.backend or "inductor"
+
+
+def _accepted(var: Var) -> str:
+    if var.kind == "bool":
+        return "0 or 1"
+    if var.kind == "choice":
+        return ", ".join(repr(c) for c in var.choices)
+    if var.kind == "devices":
+        return "a comma list of " + ", ".join(repr(c) for c in DEVICES)
+    lo = "" if var.minimum is None else f">= {var.minimum}"
+    hi = "" if var.maximum is None else f"<= {var.maximum}"
+    what = "an integer" if var.kind == "int" else "a number"
+    return " and ".join(x for x in (f"{what} {lo}".strip(), hi) if x)
+
+
+def _bad(name: str, value: object, var: Var) -> ConfigError:
+    return ConfigError(f"adaptive_eager: {name}={value!r} is not valid; accepted: {_accepted(var)}")
+
+
+def _parse(var: Var, value: object, name: str):
+    """Turn ``value`` (an env string or a keyword value) into the field's type, or raise."""
+    kind = var.kind
+    if kind == "bool":
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        if isinstance(value, str) and value.strip().lower() in TRUE + FALSE:
+            return value.strip().lower() in TRUE
+        raise _bad(name, value, var)
+    if kind == "choice":
+        if isinstance(value, str) and value.strip().lower() in var.choices:
+            return value.strip().lower()
+        raise _bad(name, value, var)
+    if kind == "devices":
+        items = value.split(",") if isinstance(value, str) else value
+        try:
+            out = tuple(str(d).strip().lower() for d in items)
+        except TypeError:
+            raise _bad(name, value, var) from None
+        if not out or any(d not in DEVICES for d in out):
+            raise _bad(name, value, var)
+        return tuple(dict.fromkeys(out))
+    # numbers
+    if isinstance(value, bool):
+        raise _bad(name, value, var)
+    try:
+        num = int(value) if kind == "int" else float(value)
+        if kind == "int" and isinstance(value, float) and value != num:
+            raise ValueError
+    except (TypeError, ValueError):
+        raise _bad(name, value, var) from None
+    if (var.minimum is not None and num < var.minimum) or (
+        var.maximum is not None and num > var.maximum
+    ):
+        raise _bad(name, value, var)
+    return num
+
+
+def from_env(environ=None) -> tuple[dict, list[str]]:
+    """Read every declared variable once. Returns (field -> value for the set ones, errors)."""
+    environ = os.environ if environ is None else environ
+    values, errors = {}, []
+    for var in VARIABLES:
+        raw = environ.get(var.env)
+        if raw is None or (raw == "" and var.kind != "bool"):
+            continue
+        try:
+            values[var.field] = _parse(var, raw, var.env)
+        except ConfigError as e:
+            errors.append(str(e))
+    return values, errors
+
+
+def resolve(**keywords) -> Config:
+    """The Config for ``ae.enable(**keywords)``: keywords, else the environment, else defaults.
+
+    Raises ConfigError (a ValueError) for a bad keyword or a bad environment value.
+    """
+    env_values, errors = from_env()
+    if errors:
+        raise ConfigError(errors[0])
+    fields = {k: v for k, v in env_values.items() if k != "autoload"}
+    for name, value in keywords.items():
+        if value is None:
+            continue
+        var = _BY_FIELD.get(name)
+        if var is None or name == "autoload":
+            raise TypeError(f"adaptive_eager: unknown setting {name!r}")
+        fields[name] = _parse(var, value, name)
+    return Config(**fields)

@@ -1,0 +1,175 @@
+"""The process-wide engine: shared caches, per-thread modes, and the hooks into torch.
+
+The dispatch mode is per thread (the mode stack is thread-local): ``enable()`` pushes this
+thread's ``AdaptiveEagerMode``; autograd's device threads receive the mode with the rest of
+the thread-local state when it is active at ``backward()``. Shared by all threads: the
+compile cache, the background compiler, the read guard and the optimizer step hook.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import logging
+import threading
+import weakref
+
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+from adaptive_eager.scheduler.compiler import CompileCache, Compiler
+from adaptive_eager.scheduler.queues import synchronize_all
+from adaptive_eager.scheduler.stats import snapshot
+from adaptive_eager.tracer.mode import AdaptiveEagerMode
+
+from . import readguard
+from .config import Config
+
+__all__ = ["ENGINE"]
+
+log = logging.getLogger("adaptive_eager")
+
+
+class Engine:
+    def __init__(self):
+        self.cache = CompileCache(256)
+        self.compiler = Compiler(self.cache)
+        self.local = threading.local()
+        self.counters: list = []  # every mode's counters, kept for stats after threads end
+        self.modes: weakref.WeakSet = weakref.WeakSet()
+        self.n_paths = 0
+        self._hooked = False
+        self._lock = threading.Lock()
+
+    # ---------------------------------------------------------------- per-thread mode
+
+    def new_inbox(self) -> collections.deque:
+        return collections.deque()
+
+    def mode(self) -> AdaptiveEagerMode | None:
+        """This thread's mode if the engine is enabled on this thread."""
+        m = getattr(self.local, "mode", None)
+        return m if m is not None and getattr(self.local, "active", False) else None
+
+    def enable(self, config: Config) -> None:
+        _set_debug(config.debug)
+        self._install_hooks()
+        if self.cache._lru.maxsize != config.cache_size:
+            self.cache.resize(config.cache_size)
+        m = getattr(self.local, "mode", None)
+        if m is None:
+            m = self.local.mode = AdaptiveEagerMode(self, config)
+            with self._lock:
+                self.counters.append(m.counters)
+                self.modes.add(m)
+        if getattr(self.local, "active", False):
+            m.boundary("enable")
+            if (config.backend, config.devices) != (m.config.backend, m.config.devices):
+                m.reset_state()
+            m.configure(config)
+            return
+        if (config.backend, config.devices) != (m.config.backend, m.config.devices):
+            m.reset_state()
+        m.configure(config)
+        m.__enter__()
+        self.local.active = True
+
+    def disable(self) -> None:
+        m = self.mode()
+        if m is None:
+            return
+        stack = _get_current_dispatch_mode_stack()
+        if stack and stack[-1] is not m:
+            raise RuntimeError(
+                "adaptive_eager: disable() while another dispatch mode "
+                f"({type(stack[-1]).__name__}) is active above the engine; exit it first"
+            )
+        try:
+            m.boundary("disable")
+        finally:
+            m.__exit__(None, None, None)
+            self.local.active = False
+
+    def config(self) -> Config | None:
+        m = self.mode()
+        return m.config if m is not None else None
+
+    # ---------------------------------------------------------------- whole-engine ops
+
+    def mark_step(self) -> None:
+        m = self.mode()
+        if m is not None:
+            m.boundary("mark_step")
+
+    def synchronize(self) -> None:
+        m = self.mode()
+        if m is not None:
+            m.boundary("synchronize")
+        synchronize_all()
+
+    def stats(self):
+        with self._lock:
+            return snapshot(list(self.counters))
+
+    def reset(self) -> None:
+        m = self.mode()
+        if m is not None:
+            m.boundary("reset")
+        self.compiler.reset()
+        self.cache.clear()
+        with self._lock:
+            for other in list(self.modes):
+                if other is m or not other.seg.hot:
+                    other.reset_state()
+            for c in self.counters:
+                c.__init__()
+        self.n_paths = 0
+
+    def wait_compiles(self, timeout: float | None = None) -> bool:
+        """Block until background compiles are done and installed on this thread."""
+        done = self.compiler.wait_idle(timeout)
+        m = self.mode()
+        if m is not None and m.inbox:
+            m.boundary("install compiles")
+        return done
+
+    # ---------------------------------------------------------------- hooks
+
+    def _install_hooks(self) -> None:
+        if self._hooked:
+            return
+        with self._lock:
+            if self._hooked:
+                return
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            register_optimizer_step_post_hook(self._optimizer_step)
+            readguard.install(self)
+            atexit.register(self._at_exit)
+            self._hooked = True
+
+    def _optimizer_step(self, optimizer, args, kwargs) -> None:
+        m = self.mode()
+        if m is not None and not m.paused:
+            m.boundary("optimizer step")
+
+    def _at_exit(self) -> None:
+        try:
+            self.disable()
+        except Exception as e:  # interpreter shutdown: report, never raise
+            log.warning("adaptive_eager: flushing at exit failed: %s", e)
+        self.compiler.shutdown()
+
+
+def _set_debug(level: int) -> None:
+    logger = logging.getLogger("adaptive_eager")
+    if level <= 0:
+        return
+    logger.setLevel(logging.DEBUG if level >= 2 else logging.INFO)
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[adaptive_eager] %(message)s"))
+        logger.addHandler(handler)
+
+
+ENGINE = Engine()

@@ -1,0 +1,1 @@
+"""Scheduler: programs, backends, the compile cache, queues and launches."""

@@ -1,0 +1,192 @@
+"""Micro-graph backends: one interface, ``exact`` and ``inductor`` behind it.
+
+A backend turns a path (``OpSpec`` list) plus a *variant* -- which fresh outputs are live,
+and the values of floats that are specialized -- into a ``Graph`` whose ``run(inputs)`` does
+the whole segment in one call. Calling convention (Note [Graph inputs])::
+
+    inputs = externals + [packed lifted floats (float64, 1-D)]? + live output tensors
+
+The graph writes each live output into the tensor the user already holds (a ``copy_``
+epilogue that Inductor turns into in-place stores, no extra copy) and applies the segment's
+mutations of external inputs in place.
+
+``exact`` needs no compilation: it replays the ops one by one with their recorded values, so
+it is bitwise equal to eager; it serves every variant. ``inductor`` traces the program with
+``make_fx`` + functionalization and Inductor's decompositions, then ``compile_fx_inner`` with
+``fallback_random=True`` (random ops call eager's kernels in program order, so they consume
+the generator exactly as eager). We call the compiled module's ``current_callable`` directly:
+the ``compile_fx`` wrapper costs microseconds per launch that buy nothing here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import torch
+
+from .program import Ext, Meta, interpret
+from .scalars import Lifted, lift_call, liftable
+
+__all__ = ["Graph", "Plan", "plan", "compile_graph", "BACKENDS"]
+
+log = logging.getLogger("adaptive_eager")
+aten = torch.ops.aten
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How a path's externals and floats reach a fused graph; fixed per path (specs only)."""
+
+    ext_inputs: tuple  # external indices passed as graph inputs, in input order
+    mutated_inputs: tuple  # positions (in ext_inputs) of inputs the graph writes
+    lifted: tuple  # (op index, rec index) in packed order
+    specialized: tuple  # (op index, rec index) whose values are part of the variant key
+    lifted_ops: frozenset  # op indices whose call goes through lift_call
+
+
+def plan(specs) -> Plan:
+    # Note [External views] (tracer.signature): a view of an external is a graph input
+    # unless the segment writes what it views; then it is computed in-graph from its base.
+    base_of = {}
+    n_ext = 0
+    for spec in specs:
+        if spec.ext_view:
+            base = next((a.k for a in spec.args if type(a) is Ext), None)
+            for o in spec.outs:
+                base_of[o.arg] = base
+        n_ext += len(spec.ext_metas)
+
+    def root(k):
+        while k in base_of and base_of[k] is not None:
+            k = base_of[k]
+        return k
+
+    written_roots = {root(m.k) for s in specs for m in s.mutates if type(m) is Ext}
+    in_graph = {k for k in base_of if root(k) in written_roots}
+    ext_inputs = tuple(k for k in range(n_ext) if k not in in_graph)
+    written = {m.k for s in specs for m in s.mutates if type(m) is Ext}
+    mutated_inputs = tuple(i for i, k in enumerate(ext_inputs) if k in written)
+    lifted, special, lifted_ops = [], [], set()
+    for n, spec in enumerate(specs):
+        if not spec.n_floats:
+            continue
+        if spec.ext_view:
+            if spec.outs[0].arg in in_graph:
+                special += [(n, j) for j in range(spec.n_floats)]
+        elif spec.view or not liftable(spec.func, spec.args, spec.kwargs):
+            special += [(n, j) for j in range(spec.n_floats)]
+        else:
+            lifted += [(n, j) for j in range(spec.n_floats)]
+            lifted_ops.add(n)
+    return Plan(ext_inputs, mutated_inputs, tuple(lifted), tuple(special), frozenset(lifted_ops))
+
+
+@dataclasses.dataclass(eq=False)
+class Graph:
+    """A compiled micro-graph for one (path, variant)."""
+
+    backend: str
+    run: object  # callable(inputs list)
+    live: tuple  # fresh value indices written, in input order
+    plan: Plan | None
+    n_ext: int
+    n_ops: int
+    compile_seconds: float = 0.0
+    code: str = ""
+    mutates_external: bool = False
+    gid: int = 0
+
+
+def exact_graph(specs, n_ext: int) -> Graph:
+    """The exact backend: a replay of the recorded ops (serves every variant)."""
+
+    def run(exts, floats, targets):
+        interpret(specs, floats, exts, targets)
+
+    return Graph("exact", run, (), None, n_ext, len(specs),
+                 mutates_external=any(_writes_ext(s) for s in specs))
+
+
+def _writes_ext(spec) -> bool:
+    return any(type(m) is Ext for m in spec.mutates)
+
+
+def _fake_like(meta: Meta):
+    if meta.offset == 0:
+        return torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device=meta.device)
+    base = torch.empty(meta.numel_storage, dtype=meta.dtype, device=meta.device)
+    return base.as_strided(meta.shape, meta.stride, meta.offset)
+
+
+def trace(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values: tuple):
+    """The functional FX graph of the program for one variant, and its fake example inputs."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    n_ext = len(ext_metas)
+    ext_inputs = the_plan.ext_inputs
+    n_in = len(ext_inputs)
+    live = tuple(live_metas)
+    lift_index = {pos: i for i, pos in enumerate(the_plan.lifted)}
+    special = dict(zip(the_plan.specialized, spec_values))
+    has_packed = bool(the_plan.lifted)
+    device = next(iter(m.device for m in list(ext_metas) + list(live_metas.values())), "cpu")
+
+    def program(*inputs):
+        exts = [None] * n_ext
+        for k, x in zip(ext_inputs, inputs):
+            exts[k] = x
+        packed = inputs[n_in] if has_packed else None
+        targets = dict(zip(live, inputs[n_in + has_packed:]))
+
+        def float_of(n, j):
+            p = lift_index.get((n, j))
+            if p is None:
+                return special[(n, j)]
+            return Lifted(aten.select.int(packed, 0, p))
+
+        def call(n, spec, args, kwargs):
+            if n in the_plan.lifted_ops:
+                return lift_call(spec.func, args, kwargs)
+            return spec.func(*args, **kwargs)
+
+        interpret(specs, None, exts, targets, call=call, float_of=float_of)
+        return ()
+
+    fake_mode = FakeTensorMode()
+    with fake_mode:
+        inputs = [_fake_like(ext_metas[k]._replace(offset=0)) for k in ext_inputs]
+        if has_packed:
+            inputs.append(torch.empty(len(the_plan.lifted), dtype=torch.float64, device=device))
+        inputs += [_fake_like(m) for m in live_metas.values()]
+    gm = make_fx(
+        torch.func.functionalize(program, remove="mutations_and_views"),
+        decomposition_table=select_decomp_table(),
+        tracing_mode="fake",
+    )(*inputs)
+    return gm, inputs, fake_mode
+
+
+def inductor_graph(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values) -> Graph:
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    start = time.perf_counter()
+    with inductor_config.patch(fallback_random=True):
+        gm, inputs, fake_mode = trace(specs, ext_metas, live_metas, the_plan, spec_values)
+        with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
+            compiled = compile_fx_inner(gm, inputs, is_inference=True)
+    run = getattr(compiled, "current_callable", None) or compiled
+    return Graph("inductor", run, tuple(live_metas), the_plan, len(ext_metas), len(specs),
+                 compile_seconds=time.perf_counter() - start, code=gm.code,
+                 mutates_external=bool(the_plan.mutated_inputs))
+
+
+BACKENDS = {"inductor": inductor_graph}
+
+
+def compile_graph(backend: str, specs, ext_metas, live_metas, the_plan, spec_values) -> Graph:
+    return BACKENDS[backend](specs, ext_metas, live_metas, the_plan, spec_values)

@@ -1,0 +1,302 @@
+"""Running a deferred segment: the captured ``Path``, liveness, variants, one launch, errors.
+
+A ``Path`` is the artifact captured for one trie path (root to a node where segments end):
+its ops, its lifecycle state and its compiled variants. Lifecycle (DESIGN §3)::
+
+    cold --(ends >= hot_threshold)--> warm --(graph ready)--> hot --(slower / budget)--> retired
+
+``run`` launches one segment along a path. A *variant* is what a compiled fused graph is
+specialized on beyond the path itself: which fresh outputs are still live at launch (dead ones
+are not materialized, so Inductor keeps them in registers) and the values of floats that
+could not be lifted. Liveness is read from storage use counts (Note [Liveness]).
+
+Note [Liveness]: the engine holds each deferred fresh output only through a weak reference
+and its storage. It must not hold the tensor: autograd steals a gradient buffer only when its
+Python object is uniquely referenced (``is_tensor_stealable``), so an extra strong reference
+would change the ops autograd issues between cold and hot runs. The storage tells liveness
+completely: a user reference, a view, or a tensor autograd saved (saved outputs are shallow
+copies sharing the storage) each holds a use of it, beyond our own.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import statistics
+import time
+
+import torch
+
+from .backends import Graph, compile_graph, exact_graph, plan
+from .compiler import GraphKey
+from .program import Ext, OpFailed, alias_groups, interpret
+from .queues import queue_for
+
+__all__ = ["Path", "run", "attribute", "CrosscheckError"]
+
+log = logging.getLogger("adaptive_eager")
+_use_count = torch._C._storage_Use_Count
+
+COLD, WARM, HOT, RETIRED = "cold", "warm", "hot", "retired"
+
+
+class CrosscheckError(AssertionError):
+    """A replay differed from running the same ops eagerly (``crosscheck=True``)."""
+
+
+class Path:
+    """The captured artifact of one path: its ops, state and compiled variants."""
+
+    def __init__(self, specs, backend: str):
+        self.specs = tuple(specs)
+        self.backend = backend
+        self.key = tuple(s.key for s in self.specs)
+        self.ext_metas = tuple(m for s in self.specs for m in s.ext_metas)
+        self.val_meta: list = []
+        self.val_op: list = []
+        for n, s in enumerate(self.specs):
+            for o in s.outs:
+                if o.kind in ("fresh", "view"):
+                    self.val_meta.append(o.meta if o.kind == "fresh" else None)
+                    self.val_op.append(n)
+        self.fresh = tuple(i for i, m in enumerate(self.val_meta) if m is not None)
+        metas = [m for m in self.ext_metas + tuple(self.val_meta) if m is not None]
+        self.device_type = metas[0].device.type if metas else "cpu"
+        self.launch_early = queue_for(self.device_type).launch_early
+        self.end = None  # the trie node this path ends at (set by the tracer)
+        self.state = COLD
+        self.reason = ""
+        self.variants: dict = {}  # variant -> GraphKey (requested or compiled)
+        self.plan = None
+        self.exact = None
+        self.cold_times = collections.deque(maxlen=8)
+        self.hot_times = collections.deque(maxlen=8)
+        self.replays = 0
+        self.gid = 0
+
+    def __repr__(self):
+        return f"Path({len(self.specs)} ops, {self.state}, {self.backend})"
+
+    @property
+    def lines(self) -> tuple:
+        return tuple(dict.fromkeys(s.line for s in self.specs))
+
+    def exact_graph(self) -> Graph:
+        if self.exact is None:
+            self.exact = exact_graph(self.specs, len(self.ext_metas))
+        return self.exact
+
+    def variant(self, live: tuple, floats) -> tuple:
+        if self.plan is None:
+            self.plan = plan(self.specs)
+        return live, tuple(floats[n][j] for n, j in self.plan.specialized)
+
+    def builder(self, variant):
+        live, spec_values = variant
+        specs, ext_metas, the_plan, backend = self.specs, self.ext_metas, self.plan, self.backend
+        live_metas = {i: self.val_meta[i] for i in live}
+        return lambda: compile_graph(backend, specs, ext_metas, live_metas, the_plan, spec_values)
+
+    def graph_key(self, variant) -> GraphKey:
+        return GraphKey(self.key, self.backend, variant)
+
+    def retire(self, reason: str) -> None:
+        self.state = RETIRED
+        self.reason = reason
+
+    def profitable(self, ratio: float) -> bool:
+        """False once the fused replays are measured slower than the eager segments."""
+        if ratio <= 0 or len(self.hot_times) < 4 or len(self.cold_times) < 2:
+            return True
+        hot = statistics.median(list(self.hot_times)[1:])
+        return hot <= ratio * statistics.median(self.cold_times)
+
+
+def _target(path: Path, seg, i: int) -> torch.Tensor:
+    t = seg.outw[i]()
+    return t if t is not None else path.val_meta[i].on_storage(seg.stor[i])
+
+
+def live_values(path: Path, seg) -> tuple:
+    stor = seg.stor
+    return tuple(i for i in path.fresh if stor[i] is not None and _use_count(stor[i]._cdata) > 1)
+
+
+def run(path: Path, seg, ctx, counters) -> None:
+    """Launch the segment: one compiled graph (or one exact replay) on the device's queue.
+
+    ``seg`` is the tracer's segment state; ``run`` reads its ``exts`` (external inputs),
+    ``floats`` (one record per op), ``outw``/``stor`` (weak reference and storage of each
+    value) and ``rng`` (generator state at the first deferred random op, or None).
+    ``ctx`` is the tracer: ``config``, ``debug``, ``cache``, ``request()`` and ``retire()``.
+    """
+    n_ops = len(seg.floats)
+    specs = path.specs
+    if n_ops != len(specs):
+        raise AssertionError(f"segment of {n_ops} ops launched on a path of {len(specs)}")
+    counters.ops_deferred += n_ops
+    counters.replays += 1
+    path.replays += 1
+    live = live_values(path, seg)
+    graph = None
+    if path.backend != "exact" and path.state == HOT:
+        graph = _fused_graph(path, seg, live, ctx, counters)
+    exts = seg.exts
+    targets = {i: _target(path, seg, i) for i in (graph.live if graph else live)}
+    reference = _crosscheck_reference(path, seg, targets) if ctx.config.crosscheck else None
+    if graph is not None:
+        inputs = [exts[k] for k in graph.plan.ext_inputs]
+        if graph.plan.lifted:
+            inputs.append(torch.tensor([seg.floats[n][j] for n, j in graph.plan.lifted],
+                                       dtype=torch.float64))
+        inputs += [targets[i] for i in graph.live]
+        fn, args = _run_fused, (path, graph, inputs, seg)
+    else:
+        fn, args = _run_exact, (path, seg, targets)
+    if ctx.debug >= 2:
+        start = time.perf_counter()
+    with _rng_as_recorded(seg.rng):
+        queue_for(path.device_type).submit(fn, *args)
+    if ctx.debug >= 2:
+        log.debug("replay %s graph%d [%d ops] %.1f us", graph.backend if graph else "exact",
+                  path.gid, n_ops, (time.perf_counter() - start) * 1e6)
+    if reference is not None:
+        _crosscheck_compare(path, seg, targets, reference, exact=graph is None)
+
+
+def _fused_graph(path: Path, seg, live: tuple, ctx, counters):
+    variant = path.variant(live, seg.floats)
+    key = path.variants.get(variant)
+    graph = ctx.cache.get(key) if key is not None else None
+    if graph is not None:
+        counters.cache_hits += 1
+        if graph.mutates_external and _written_input_aliased(graph.plan, seg.exts):
+            counters.fallback("a written input aliases another input: replayed exactly")
+            return None
+        return graph
+    counters.cache_misses += 1
+    if ctx.debug >= 3:
+        log.debug("cache MISS graph%d variant live=%d spec=%s", path.gid, len(live), variant[1])
+    if key is None and len(path.variants) >= ctx.config.variant_budget:
+        ctx.retire(path, "variant budget exhausted")
+        return None
+    ctx.request(path, variant, counters)
+    counters.fallback("variant compiling: replayed exactly")
+    return None
+
+
+def _written_input_aliased(the_plan, exts) -> bool:
+    inputs = [exts[k] for k in the_plan.ext_inputs]
+    groups = alias_groups(inputs)
+    shared = {g for g in groups if g >= 0}
+    if not shared:
+        return False
+    for i in the_plan.mutated_inputs:
+        if groups[i] >= 0 or i in shared:
+            return True
+    return False
+
+
+def _run_exact(path: Path, seg, targets: dict) -> None:
+    with torch._C._AutoDispatchBelowADInplaceOrView():
+        try:
+            interpret(path.specs, seg.floats, seg.exts, targets)
+        except OpFailed as f:
+            raise attribute(f.error, path.specs[f.index]) from None
+
+
+def _run_fused(path: Path, graph: Graph, inputs: list, seg) -> None:
+    try:
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            graph.run(inputs)
+    except Exception as e:
+        raise _attribute_fused(path, seg, e) from None
+
+
+def _attribute_fused(path: Path, seg, error: BaseException) -> BaseException:
+    """Find the op eager would have failed at: replay the ops on copies of what they write."""
+    written = {m.k for s in path.specs for m in s.mutates if type(m) is Ext}
+    exts = [t.clone() if k in written else t for k, t in enumerate(seg.exts)]
+    try:
+        with torch._C._AutoDispatchBelowADInplaceOrView(), _rng_as_recorded(seg.rng):
+            interpret(path.specs, seg.floats, exts, {})
+    except OpFailed as f:
+        return attribute(f.error, path.specs[f.index])
+    return RuntimeError(
+        f"adaptive_eager: fused graph{path.gid} for {len(path.specs)} ops "
+        f"({path.specs[0].line} .. {path.specs[-1].line}) raised {type(error).__name__}: "
+        f"{error}; the same ops run eagerly did not"
+    )
+
+
+def attribute(error: BaseException, spec) -> BaseException:
+    """Name the op and the user's source line in ``error``, keeping its type."""
+    note = f"[adaptive_eager] raised by {spec.func} issued at {spec.line} (deferred, run at sync)"
+    if (type(error).__str__ is BaseException.__str__ and error.args
+            and isinstance(error.args[0], str)):
+        error.args = (f"{error.args[0]}\n{note}",) + error.args[1:]
+    else:
+        error.add_note(note)
+    return error
+
+
+class _rng_as_recorded:
+    """Replay random ops from the generator state they were deferred at.
+
+    Normally nothing touched the generator between deferral and launch and this is a
+    comparison. If something did (``torch.manual_seed`` in between), the deferred ops get the
+    state eager would have given them, and the later state is put back afterwards.
+    """
+
+    __slots__ = ("state", "saved")
+
+    def __init__(self, state):
+        self.state = state
+        self.saved = None
+
+    def __enter__(self):
+        if self.state is not None:
+            now = torch.get_rng_state()
+            if not torch.equal(now, self.state):
+                self.saved = now
+                torch.set_rng_state(self.state)
+
+    def __exit__(self, *exc):
+        if self.saved is not None:
+            torch.set_rng_state(self.saved)
+
+
+def _crosscheck_reference(path: Path, seg, targets: dict):
+    written = {m.k for s in path.specs for m in s.mutates if type(m) is Ext}
+    exts = [t.clone() if k in written else t for k, t in enumerate(seg.exts)]
+    rng = torch.get_rng_state()
+    with torch._C._AutoDispatchBelowADInplaceOrView(), _rng_as_recorded(seg.rng):
+        env = interpret(path.specs, seg.floats, exts, {})
+    torch.set_rng_state(rng)
+    return env, {k: exts[k] for k in written}
+
+
+def _crosscheck_compare(path: Path, seg, targets: dict, reference, exact: bool) -> None:
+    env, written = reference
+    pairs = [(targets[i], env[i], path.specs[path.val_op[i]]) for i in targets]
+    last_writer = {}
+    for s in path.specs:
+        for m in s.mutates:
+            if type(m) is Ext:
+                last_writer[m.k] = s
+    pairs += [(seg.exts[k], ref, last_writer[k]) for k, ref in written.items()]
+    for got, want, spec in pairs:
+        try:
+            if exact:
+                ok = torch.equal(got, want) or (
+                    got.is_floating_point() and torch.equal(got.isnan(), want.isnan())
+                    and torch.equal(got.nan_to_num(), want.nan_to_num()))
+                if not ok:
+                    raise AssertionError("values differ bitwise")
+            else:
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, equal_nan=True)
+        except AssertionError as e:
+            raise CrosscheckError(
+                f"adaptive_eager crosscheck: {spec.func} issued at {spec.line}: the "
+                f"{'exact' if exact else 'fused'} replay differs from eager: {e}"
+            ) from None

@@ -1,0 +1,217 @@
+"""The recorded program of a segment and its interpreter.
+
+A segment is a sequence of ``OpSpec`` (one per trie node on its path) plus, per op, the
+floats it was called with. Arguments are templates whose tensor leaves name their *source*:
+
+* ``Ext(k)`` -- external input ``k``, numbered by first appearance in the segment;
+* ``Val(i)`` -- segment value ``i``: the i-th tensor output (fresh or view) of the segment;
+* ``Rec(j)`` -- the j-th recorded argument of this op's call: floats (data, not signature)
+  and the ints of views of external inputs (``xs[i]``'s index, see tracer.signature);
+
+everything else is a constant.
+
+A view of an external input is itself an external (Note [External views]): its outputs are
+``Out("ext", arg=k)`` and the launch passes the actual view tensors in ``exts``. ``interpret`` runs such a program: with real tensors it is the
+``exact`` backend (bitwise eager, op by op); under ``make_fx`` it produces the FX graph the
+fused backends compile. Both therefore share one definition of what a segment computes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, NamedTuple
+
+import torch
+
+__all__ = ["Ext", "Val", "Rec", "Meta", "Out", "OpSpec", "OpFailed", "interpret", "alias_groups"]
+
+
+class Ext:
+    __slots__ = ("k",)
+
+    def __init__(self, k):
+        self.k = k
+
+    def __repr__(self):
+        return f"ext{self.k}"
+
+
+class Val:
+    __slots__ = ("i",)
+
+    def __init__(self, i):
+        self.i = i
+
+    def __repr__(self):
+        return f"v{self.i}"
+
+
+class Rec:
+    __slots__ = ("j",)
+
+    def __init__(self, j):
+        self.j = j
+
+    def __repr__(self):
+        return f"f{self.j}"
+
+
+class Meta(NamedTuple):
+    """What a deferred output looks like: enough to allocate it without running the op."""
+
+    shape: tuple
+    stride: tuple
+    offset: int
+    dtype: torch.dtype
+    device: torch.device
+    numel_storage: int  # elements of the backing storage
+
+    @staticmethod
+    def of(t: torch.Tensor) -> "Meta":
+        return Meta(
+            tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device,
+            t.untyped_storage().nbytes() // t.element_size() if t.element_size() else 0,
+        )
+
+    def on_storage(self, storage) -> torch.Tensor:
+        """A tensor with this metadata over an existing storage."""
+        t = torch.empty(0, dtype=self.dtype, device=self.device)
+        return t.set_(storage, self.offset, self.shape, self.stride)
+
+    def allocate(self) -> torch.Tensor:
+        if self.offset == 0 and _minimal(self):
+            return torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device)
+        base = torch.empty(self.numel_storage, dtype=self.dtype, device=self.device)
+        return base.as_strided(self.shape, self.stride, self.offset)
+
+
+def _minimal(m: Meta) -> bool:
+    """True when empty_strided(shape, stride) yields exactly this storage size."""
+    if not all(m.shape):
+        return m.numel_storage == 0
+    extent = 1 + sum((s - 1) * st for s, st in zip(m.shape, m.stride))
+    return extent == m.numel_storage
+
+
+class Out(NamedTuple):
+    """One tensor leaf of an op's result."""
+
+    kind: str  # "fresh" new buffer | "view" of a value | "ext" a view of an external, itself
+    # external ``arg`` | "alias" a written argument | "none"
+    meta: Meta | None = None  # fresh and ext
+    arg: object = None  # alias: positional index (int) or keyword name (str); ext: index k
+
+
+@dataclasses.dataclass(eq=False)
+class OpSpec:
+    """One op of a path: everything needed to defer it, replay it, and explain it."""
+
+    func: object
+    args: tuple
+    kwargs: dict
+    outs: tuple  # of Out, in result order
+    tree: str  # result structure: "one" | "tuple" | "list" | "none"
+    val_base: int  # segment value index of this op's first fresh/view output
+    n_floats: int  # recorded arguments (Rec leaves)
+    mutates: tuple  # Ext / Val leaves this op writes
+    random: bool
+    view: bool  # a view op: runs at once, even when deferred
+    ext_view: bool  # a view of an external input (its outputs are externals)
+    ext_metas: tuple  # Meta of each external input that first appears in this op
+    line: str  # user source line that issued it when the path was learned
+    key: tuple  # the signature this node is stored under
+    default_dtype: object = None  # factories (no tensor input) depend on torch's default dtype
+    rec_types: tuple = ()  # type (float or int) of each recorded argument
+
+    @property
+    def n_vals(self) -> int:
+        return sum(1 for o in self.outs if o.kind in ("fresh", "view"))
+
+    def describe(self) -> str:
+        return f"{self.func} at {self.line}"
+
+
+class OpFailed(Exception):
+    """Raised by ``interpret`` when op ``index`` of the program raised ``error``."""
+
+    def __init__(self, index: int, error: BaseException):
+        super().__init__(index, error)
+        self.index = index
+        self.error = error
+
+
+def _leaves(spec: OpSpec, res) -> tuple:
+    if spec.tree == "one":
+        return (res,)
+    if spec.tree == "none":
+        return ()
+    return tuple(res)
+
+
+def interpret(
+    specs,
+    floats,
+    exts,
+    targets: dict,
+    call: Callable | None = None,
+    float_of: Callable | None = None,
+) -> list:
+    """Run the program. Returns the list of segment values (index = ``Val.i``).
+
+    ``floats[n]`` is op n's record, ``exts`` the external inputs, ``targets`` maps a fresh
+    value index to the live tensor it must be written into. ``call(n, spec, args, kwargs)``
+    runs op n (default: ``spec.func(*args, **kwargs)``); ``float_of(n, j)`` resolves a
+    float leaf (default: ``floats[n][j]``). A failing op raises ``OpFailed``.
+
+    Views of externals are skipped where ``exts`` already holds their outputs (every
+    external at a launch); a fused graph that computes them in-graph passes None there.
+    """
+    env: list = []
+
+    def build(x, n):
+        t = type(x)
+        if t is Val:
+            return env[x.i]
+        if t is Ext:
+            return exts[x.k]
+        if t is Rec:
+            return floats[n][x.j] if float_of is None else float_of(n, x.j)
+        if t is tuple or t is list:
+            return t(build(y, n) for y in x)
+        return x
+
+    for n, spec in enumerate(specs):
+        if spec.ext_view and exts[spec.outs[0].arg] is not None:
+            continue
+        args = tuple(build(a, n) for a in spec.args)
+        kwargs = {k: build(v, n) for k, v in spec.kwargs.items()} if spec.kwargs else {}
+        try:
+            res = spec.func(*args, **kwargs) if call is None else call(n, spec, args, kwargs)
+        except Exception as e:
+            raise OpFailed(n, e) from e
+        for o, leaf in zip(spec.outs, _leaves(spec, res)):
+            if o.kind == "fresh":
+                target = targets.get(len(env))
+                if target is not None:
+                    target.copy_(leaf)
+                    leaf = target
+                env.append(leaf)
+            elif o.kind == "view":
+                env.append(leaf)
+            elif o.kind == "ext":
+                exts[o.arg] = leaf
+    return env
+
+
+def alias_groups(tensors) -> tuple:
+    """For each tensor, the index of the first earlier tensor sharing its storage, else -1."""
+    seen: dict = {}
+    out = []
+    for i, t in enumerate(tensors):
+        storage = t.untyped_storage()
+        if not storage.nbytes():
+            out.append(-1)
+            continue
+        first = seen.setdefault((t.device, storage.data_ptr()), i)
+        out.append(-1 if first == i else first)
+    return tuple(out)

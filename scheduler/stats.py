@@ -1,0 +1,104 @@
+"""Counters. Each thread's engine state owns one ``Counters`` (no locks on the hot path; the
+hot path itself increments nothing -- deferred ops are counted when their segment launches);
+``snapshot`` sums them into the public ``Stats``."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+__all__ = ["Counters", "Stats", "snapshot"]
+
+_FIELDS = (
+    "ops_deferred", "ops_eager", "ops_views", "ops_host", "ops_passthrough",
+    "replays", "graphs_compiled", "cache_hits", "cache_misses", "segments",
+)
+
+
+class Counters:
+    """Mutable per-thread counters. Attribute names match ``Stats`` fields."""
+
+    __slots__ = _FIELDS + ("fallbacks", "boundaries", "compile_seconds")
+
+    def __init__(self):
+        for f in _FIELDS:
+            setattr(self, f, 0)
+        self.fallbacks = collections.Counter()
+        self.boundaries = collections.Counter()
+        self.compile_seconds = 0.0
+
+    def fallback(self, reason: str, n: int = 1) -> None:
+        self.fallbacks[reason] += n
+
+
+@dataclasses.dataclass(frozen=True)
+class Stats:
+    """A snapshot of the engine's counters (``ae.stats()``).
+
+    ``launches`` counts what reaches a device queue: eager kernel ops plus micro-graph
+    replays. View ops (metadata only) and host-scalar ops (0-dim CPU tensors the engine
+    leaves on the host) are intercepted but are not launches.
+    """
+
+    ops_intercepted: int = 0
+    ops_deferred: int = 0
+    ops_eager: int = 0
+    ops_views: int = 0
+    ops_host: int = 0
+    ops_passthrough: int = 0
+    launches: int = 0
+    replays: int = 0
+    graphs_compiled: int = 0
+    cache_hits: int = 0
+    cache_misses: int = 0
+    segments: int = 0
+    compile_seconds: float = 0.0
+    fallbacks: dict = dataclasses.field(default_factory=dict)
+    boundaries: dict = dataclasses.field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        rows = [
+            ("ops intercepted", self.ops_intercepted),
+            ("  deferred (in micro-graphs)", self.ops_deferred),
+            ("  eager", self.ops_eager),
+            ("  views (metadata only)", self.ops_views),
+            ("  host scalars", self.ops_host),
+            ("  other devices (passed through)", self.ops_passthrough),
+            ("launches", self.launches),
+            ("  micro-graph replays", self.replays),
+            ("graphs compiled", self.graphs_compiled),
+            ("  compile time in background (s)", f"{self.compile_seconds:.2f}"),
+            ("cache hits / misses", f"{self.cache_hits} / {self.cache_misses}"),
+            ("segments", self.segments),
+        ]
+        width = max(len(r[0]) for r in rows)
+        lines = ["adaptive_eager stats"] + [f"  {k:<{width}}  {v}" for k, v in rows]
+        for title, table in (("fallbacks", self.fallbacks), ("boundaries", self.boundaries)):
+            lines.append(f"  {title}:" + ("" if table else " none"))
+            for reason, n in sorted(table.items(), key=lambda kv: -kv[1]):
+                lines.append(f"    {n:>8}  {reason}")
+        return "\n".join(lines)
+
+
+def snapshot(counters) -> Stats:
+    total = {f: 0 for f in _FIELDS}
+    fallbacks, boundaries = collections.Counter(), collections.Counter()
+    seconds = 0.0
+    for c in counters:
+        for f in _FIELDS:
+            total[f] += getattr(c, f)
+        fallbacks.update(c.fallbacks)
+        boundaries.update(c.boundaries)
+        seconds += c.compile_seconds
+    intercepted = (
+        total["ops_deferred"] + total["ops_eager"] + total["ops_views"] + total["ops_host"]
+        + total["ops_passthrough"]
+    )
+    return Stats(
+        ops_intercepted=intercepted,
+        launches=total["ops_eager"] + total["replays"],
+        compile_seconds=seconds,
+        fallbacks=dict(fallbacks),
+        boundaries=dict(boundaries),
+        **total,
+    )

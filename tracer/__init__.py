@@ -1,0 +1,1 @@
+"""Tracer: the dispatch mode, op tables, signatures and the trace trie."""

@@ -1,0 +1,337 @@
+"""The dispatch mode: every aten op on a managed device enters here.
+
+``__torch_dispatch__`` is the hot path. When the segment is on a hot path it calls the next
+node's generated function (tracer.signature.make_fast), which checks the call by identity,
+allocates the outputs from cached metadata and records the op: nothing runs. Anything else
+takes ``_slow``: classify the op (tracer.optable), then
+
+* other devices        -> passed through untouched;
+* host scalars         -> run now: 0-dim CPU tensors holding no pending value, the same
+                          division every accelerator makes (Note [Host scalars]);
+* sync (a data read)   -> flush first if it reads pending data, which ends the segment;
+* boundary             -> end the segment, run eagerly, count the reason;
+* view / compute       -> a step in the trie: defer if the step is on a hot path, else run
+                          cold (eagerly) and learn.
+
+Note [Host scalars]: optimizers keep ``step`` as a 0-dim CPU tensor and read it with
+``.item()`` once per parameter ("item is significantly faster than a cpu tensor in eager
+mode"). On an accelerator those ops never touch the device. On the cpu device the engine
+treats them the same way: ops whose tensors are all 0-dim, on the CPU and not pending run at
+once on the host and are counted as ``ops_host``, not as launches; deferring them would only
+force a flush at the ``.item()`` that follows each one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import time
+
+import torch
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _disable_current_modes,
+    _get_current_dispatch_mode_stack,
+)
+
+from adaptive_eager.scheduler import launch as _launch
+from adaptive_eager.scheduler.program import Val
+from adaptive_eager.scheduler.stats import Counters
+
+from . import learn
+from .optable import OpClass, info as op_info
+from .segment import Segment
+from .signature import MISS, Unsupported, describe, is_plain, out_key
+from .trie import new_root
+
+__all__ = ["AdaptiveEagerMode"]
+
+log = logging.getLogger("adaptive_eager")
+_EMPTY: dict = {}
+
+
+class AdaptiveEagerMode(TorchDispatchMode):
+    """One per thread. ``engine`` is shared: config, compile cache, background compiler."""
+
+    def __init__(self, engine, config):
+        super().__init__()
+        self.engine = engine
+        self.cache = engine.cache
+        self.counters = Counters()
+        self.inbox = engine.new_inbox()
+        self.root = new_root()
+        self.seg = Segment(self, self.root)
+        self.n_nodes = 0
+        self.paused = 0
+        self.generation = 0  # bumped by reset_state: deliveries for older tries are dropped
+        self.configure(config)
+
+    def configure(self, config) -> None:
+        self.config = config
+        self.debug = config.debug
+        self.devices = frozenset(config.devices)
+        self.host_scalars = "cpu" in self.devices
+
+    # ------------------------------------------------------------------ slow path
+
+    def _slow(self, func, args, kwargs):
+        S = self.seg
+        c = self.counters
+        if self.paused:
+            c.ops_passthrough += 1
+            return func(*args, **kwargs)
+        info = op_info(func)
+        if info.cls is OpClass.IGNORE:
+            c.ops_passthrough += 1
+            return func(*args, **kwargs)
+        tensors = learn.tensors_of(args, kwargs)
+        managed = False
+        for t in tensors:
+            if t.device.type in self.devices:
+                managed = True
+                if not is_plain(t):
+                    return self._boundary_op(func, args, kwargs, "unsupported tensor "
+                                             f"({type(t).__name__}, {t.layout})")
+        if not tensors:
+            dev = kwargs.get("device")
+            managed = (torch.device(dev).type if dev is not None else "cpu") in self.devices
+        if not managed:
+            c.ops_passthrough += 1
+            return func(*args, **kwargs)
+        if self.host_scalars and tensors and learn.host_scalar_op(S, tensors):
+            if info.mutated_args and any(S.feeds(t) for t in tensors):
+                self.end_segment("host op writes a segment input")
+            c.ops_host += 1
+            return func(*args, **kwargs)
+        cls = info.cls
+        if cls is OpClass.SYNC:
+            if any(S.involves(t) for t in tensors):
+                self.end_segment("sync")
+            c.ops_eager += 1
+            return func(*args, **kwargs)
+        if cls is OpClass.BOUNDARY:
+            return self._boundary_op(func, args, kwargs, info.reason)
+        return self._step(func, info, args, kwargs, tensors)
+
+    def _boundary_op(self, func, args, kwargs, reason):
+        self.end_segment("boundary op")
+        self.counters.fallback(f"{reason}: {func}")
+        self.counters.ops_eager += 1
+        return func(*args, **kwargs)
+
+    def _step(self, func, info, args, kwargs, tensors):
+        S = self.seg
+        node = S.node
+        if node is None:  # untracked until the next boundary
+            return self._run_cold(func, info, args, kwargs)
+        ext_view = info.cls is OpClass.VIEW and type(S.source(tensors[0])) is not Val
+        try:
+            ka, kk, ta, tk, new, recorded = describe(
+                args, kwargs, S.source, info.float_values_matter, record_ints=ext_view
+            )
+        except Unsupported as u:
+            return self._boundary_op(func, args, kwargs, u.args[0])
+        res = None
+        if ext_view:  # Note [External views]: keyed by what the view produces
+            res = func(*args, **kwargs)
+            key = (func, ka, kk, out_key(res))
+        else:
+            key = (func, ka, kk, torch.get_default_dtype() if not tensors else None)
+        child = node.children.get(key)
+        if child is not None and child.hot and (S.hot or node.depth == 0):
+            node.hot_next = child
+            r = child.fast(args, kwargs, S)
+            if r is not MISS:
+                return r
+        if S.hot:
+            self._diverge()
+        if child is not None and child.blocked:
+            res = self._run_cold(func, info, args, kwargs) if res is None else res
+            self.end_segment("boundary op")
+            self.counters.fallback(child.blocked)
+            return res
+        if S.n_ops == 0:
+            S.t0 = time.perf_counter()
+        pre = learn.written_metas(func, info, args, kwargs) if child is None else None
+        if res is None:
+            res = self._run_cold(func, info, args, kwargs)
+        else:
+            self.counters.ops_views += 1
+        if child is None:
+            child = self._learn(node, key, func, info, args, kwargs, ta, tk, new, recorded,
+                                res, pre, key[3] if not ext_view else None, ext_view)
+            if child is None:
+                S.node = None
+                return res
+            if child.blocked:
+                self.end_segment("boundary op")
+                self.counters.fallback(child.blocked)
+                return res
+        elif not learn.same_outputs(child.spec, res):
+            learn.block(child, "output metadata varies between runs", self)
+            self.end_segment("boundary op")
+            return res
+        for x in new:
+            S.add_external(x)
+        learn.register_outputs(S, child.spec, res)
+        S.floats.append(tuple(recorded))
+        S.node = child
+        child.visits += 1
+        S.n_ops += 1
+        if S.n_ops >= self.config.max_segment_ops:
+            self.end_segment("segment op cap")
+        return res
+
+    def _run_cold(self, func, info, args, kwargs):
+        res = func(*args, **kwargs)
+        if info.cls is OpClass.VIEW:
+            self.counters.ops_views += 1
+        else:
+            self.counters.ops_eager += 1
+        return res
+
+    def _learn(self, node, key, func, info, args, kwargs, ta, tk, new, floats, res, pre,
+               factory_dtype, ext_view):
+        if self.n_nodes >= self.config.max_trie_nodes:
+            self.counters.fallback("trie node budget exhausted: not learning")
+            return None
+        self.n_nodes += 1
+        child = learn.make_node(node, key, func, info, args, kwargs, ta, tk, new, floats,
+                                res, pre, factory_dtype, ext_view, _user_line())
+        node.children[key] = child
+        if self.debug >= 3:
+            log.debug("trie: new node %s at depth %d (%s)", func, child.depth,
+                      child.blocked or "deferrable")
+        return child
+
+    # ------------------------------------------------------------------ segment ends
+
+    def _diverge(self) -> None:
+        """The op does not follow the hot path: launch the deferred prefix, continue cold."""
+        S = self.seg
+        node = S.node
+        self.counters.fallback("diverged from the hot path")
+        if self.debug >= 3:
+            log.debug("diverged after %s at depth %d", node.spec.func, node.depth)
+        try:
+            self._launch(node)
+        finally:
+            S.drop_deferred()
+        node.ends += 1
+
+    def end_segment(self, reason: str) -> None:
+        """A boundary: launch what is deferred, count the end, start a new segment."""
+        S = self.seg
+        node = S.node
+        was_hot = S.hot
+        try:
+            if was_hot:
+                self._launch(node)
+            if node is not None and node.depth:
+                node.ends += 1
+                learn.after_end(self, node, was_hot, time.perf_counter() - S.t0)
+        finally:
+            S.reset()
+            self.counters.segments += node is not None and node.depth > 0
+            self.counters.boundaries[reason] += 1
+            if self.inbox:
+                learn.install(self)
+
+    def _launch(self, node) -> None:
+        path = learn.path_of(self, node)
+        _launch.run(path, self.seg, self, self.counters)
+
+    # scheduler.launch calls back through these two
+    def request(self, path, variant, counters) -> None:
+        learn.request(self, path, variant)
+
+    def retire(self, path, reason: str) -> None:
+        learn.retire(self, path, reason)
+
+    # ------------------------------------------------------------------ outside dispatch
+
+    @contextlib.contextmanager
+    def outside(self):
+        """Run engine work (a flush from a hook or a read) with this mode off the stack."""
+        if self in _get_current_dispatch_mode_stack():
+            with _disable_current_modes():
+                yield
+        else:
+            yield
+
+    def boundary(self, reason: str) -> None:
+        with self.outside():
+            self.end_segment(reason)
+
+    @contextlib.contextmanager
+    def pause(self):
+        """Ops pass through untouched (the segment state is kept, nothing is pending)."""
+        self.paused += 1
+        self.seg.expect = None
+        try:
+            yield
+        finally:
+            self.paused -= 1
+            S = self.seg
+            S.expect = S.node.hot_next if S.node is self.root and not self.paused else None
+
+    def reset_state(self) -> None:
+        """Forget the trie and the counters (ae.reset())."""
+        self.root = new_root()
+        self.seg = Segment(self, self.root)
+        self.n_nodes = 0
+        self.generation += 1
+        self.counters.__init__()
+        self.inbox.clear()
+
+
+def _dispatch(self, func, types, args=(), kwargs=None):
+    S = self.seg
+    e = S.expect
+    if e is not None and e.spec.func is func:
+        r = e.fast(args, kwargs or _EMPTY, S)
+        if r is not MISS:
+            return r
+    return self._slow(func, args, kwargs or {})
+
+
+# Assigned after class creation: TorchDispatchMode.__init_subclass__ would wrap a method
+# defined in the class body with torch._disable_dynamo (~0.5 us per op, DESIGN §11). The
+# wrapper keeps Dynamo from compiling the mode's frames, which only matters while a compiled
+# function runs; the engine suspends itself around torch.compile'd code instead
+# (adaptive_eager.engine).
+AdaptiveEagerMode.__torch_dispatch__ = _dispatch
+
+
+_SKIP: tuple = ()
+_STDLIB: tuple = ()
+
+
+def _user_line() -> str:
+    """file:line of the innermost frame that is neither torch, the engine nor the stdlib."""
+    global _SKIP, _STDLIB
+    if not _SKIP:
+        import os
+        import sysconfig
+
+        import adaptive_eager
+        from adaptive_eager import scheduler
+
+        paths = sysconfig.get_paths()
+        _SKIP = (
+            os.path.dirname(torch.__file__),
+            os.path.dirname(adaptive_eager.__file__),
+            os.path.dirname(__file__),
+            os.path.dirname(scheduler.__file__),
+            "<adaptive_eager",
+        )
+        _STDLIB = (paths["stdlib"], (paths["purelib"], paths["platlib"]))
+    f = sys._getframe(1)
+    stdlib, site = _STDLIB
+    while f is not None:
+        name = f.f_code.co_filename
+        if not name.startswith(_SKIP) and (not name.startswith(stdlib) or name.startswith(site)):
+            return f"{name}:{f.f_lineno}"
+        f = f.f_back
+    return "<unknown>"

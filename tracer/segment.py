@@ -1,0 +1,143 @@
+"""Per-thread segment state: what has run since the last boundary, and what is pending.
+
+Numbering (DESIGN §4): every tensor output of the segment (fresh or view) is a *value*
+``Val(i)``, every tensor that entered from outside is an *external* ``Ext(k)``, numbered by
+first appearance. ``ids`` maps ``id(tensor)`` to ``i >= 0`` (a value) or ``~k`` (an external);
+an entry is trusted only after checking the weak reference it points at, because ids are
+reused once an object dies.
+
+What the engine holds (Note [Liveness] in scheduler.launch): values only weakly, plus the
+storage of each *deferred* fresh value; externals weakly while cold, strongly while hot (a
+deferred op must still find its inputs at launch).
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+
+import torch
+
+from adaptive_eager.scheduler.program import Ext, Val
+
+__all__ = ["Segment"]
+
+_wref = weakref.ref
+
+
+class Segment:
+    __slots__ = (
+        "owner", "root", "node", "expect", "hot", "ids", "outw", "stor", "exts", "extw",
+        "floats", "rng", "t0", "n_ops", "_mutated",
+    )
+
+    def __init__(self, owner, root):
+        self.owner = owner
+        self.root = root
+        self.reset()
+
+    def reset(self) -> None:
+        self.node = self.root
+        self.expect = self.root.hot_next
+        self.hot = False
+        self.ids: dict = {}
+        self.outw: list = []
+        self.stor: list = []
+        self.exts: list = []
+        self.extw: list = []
+        self.floats: list = []
+        self.rng = None
+        self.t0 = 0.0
+        self.n_ops = 0
+        self._mutated = None
+
+    # -- called from generated hot-path code --------------------------------------------
+
+    def start(self) -> bool:
+        """The first op of a segment matched a hot path: begin deferring (or refuse)."""
+        if torch.are_deterministic_algorithms_enabled():
+            self.owner.counters.fallback("deterministic algorithms: deferral off")
+            self.expect = None
+            return False
+        self.hot = True
+        self.t0 = time.perf_counter()
+        return True
+
+    def finish(self) -> None:
+        """The hot path ends at this op: launch now rather than at the next boundary."""
+        self.owner.end_segment("path end")
+
+    # -- sources and pending state (cold path) --------------------------------------------
+
+    def source(self, t):
+        """The Val/Ext leaf of a tensor already seen in this segment, else None."""
+        idx = self.ids.get(id(t))
+        if idx is None:
+            return None
+        if idx >= 0:
+            return Val(idx) if self.outw[idx]() is t else None
+        k = ~idx
+        return Ext(k) if self.extw[k]() is t else None
+
+    def add_external(self, t) -> None:
+        self.ids[id(t)] = ~len(self.extw)
+        self.extw.append(_wref(t))
+        if self.hot:
+            self.exts.append(t)
+
+    def add_value(self, t, storage=None) -> None:
+        self.ids[id(t)] = len(self.outw)
+        self.outw.append(_wref(t))
+        self.stor.append(storage)
+
+    def mutated_externals(self) -> set:
+        """Indices of externals written by deferred ops (cached per segment length)."""
+        n = len(self.floats)
+        if self._mutated is None or self._mutated[0] != n:
+            written = set()
+            node = self.node
+            while node is not None and node.spec is not None:
+                written.update(m.k for m in node.spec.mutates if type(m) is Ext)
+                node = node.parent
+            self._mutated = (n, written)
+        return self._mutated[1]
+
+    def involves(self, t) -> bool:
+        """Is ``t`` a value of this segment, or written by one of its ops?
+
+        Structural, so cold and hot runs cut segments at the same places: a read of such a
+        tensor is a sync that ends the segment (and, when hot, needs the deferred ops).
+        """
+        src = self.source(t)
+        if type(src) is Val:
+            return True
+        written = self.mutated_externals()
+        if type(src) is Ext:
+            return src.k in written
+        if not written:
+            return False
+        return self._aliases(t, written)
+
+    def feeds(self, t) -> bool:
+        """Is ``t`` (or its storage) an input of this segment, so writing it must wait?"""
+        if self.source(t) is not None:
+            return True
+        return self._aliases(t, range(len(self.extw)))
+
+    def _aliases(self, t, ks) -> bool:
+        if not t.untyped_storage().nbytes():
+            return False
+        ptr = t.untyped_storage().data_ptr()
+        for k in ks:
+            x = self.extw[k]()
+            if x is not None and x.untyped_storage().data_ptr() == ptr:
+                return True
+        return False
+
+    def drop_deferred(self) -> None:
+        """After a flush mid-segment: nothing is pending any more; keep the numbering."""
+        self.hot = False
+        self.expect = None
+        self.stor = [None] * len(self.stor)
+        self.exts = []
+        self.rng = None
