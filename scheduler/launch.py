@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import statistics
 import time
 
@@ -67,7 +68,11 @@ class Path:
         self.state = COLD
         self.reason = ""
         self.variants: dict = {}  # variant -> GraphKey (requested or compiled)
-        self.plan = None
+        self.pending: set = set()  # variants requested and not delivered yet
+        self.last_fused = False  # did the latest launch run the fused graph?
+        self.plans: dict = {}  # frozenset of dynamic float positions -> Plan
+        self.reference = None  # floats of the first recorded run (Note [Float variants])
+        self.dynamic: frozenset = frozenset()  # float positions seen to change
         self.exact = None
         self.cold_times = collections.deque(maxlen=8)
         self.hot_times = collections.deque(maxlen=8)
@@ -86,14 +91,37 @@ class Path:
             self.exact = exact_graph(self.specs, len(self.ext_metas))
         return self.exact
 
+    @property
+    def plan(self):
+        the_plan = self.plans.get(self.dynamic)
+        if the_plan is None:
+            the_plan = self.plans[self.dynamic] = plan(self.specs, self.dynamic, self.reference)
+        return the_plan
+
+    def observe(self, floats) -> bool:
+        """Record one run's floats; True if a float seen before has changed (now dynamic)."""
+        ref = self.reference
+        if ref is None:
+            self.reference = list(floats)
+            return False
+        changed = set()
+        for n, (a, b) in enumerate(zip(ref, floats)):
+            if a != b:
+                changed.update((n, j) for j, (x, y) in enumerate(zip(a, b)) if x != y)
+        changed -= self.dynamic
+        if changed:
+            self.dynamic = self.dynamic | changed
+        return bool(changed)
+
     def variant(self, live: tuple, floats) -> tuple:
-        if self.plan is None:
-            self.plan = plan(self.specs)
-        return live, tuple(floats[n][j] for n, j in self.plan.specialized)
+        """(live outputs, lifted positions, specialized values): what one graph serves."""
+        the_plan = self.plan
+        return live, the_plan.lifted, tuple(floats[n][j] for n, j in the_plan.specialized)
 
     def builder(self, variant):
-        live, spec_values = variant
-        specs, ext_metas, the_plan, backend = self.specs, self.ext_metas, self.plan, self.backend
+        live, lifted, spec_values = variant
+        the_plan = next(p for p in self.plans.values() if p.lifted == lifted)
+        specs, ext_metas, backend = self.specs, self.ext_metas, self.backend
         live_metas = {i: self.val_meta[i] for i in live}
         return lambda: compile_graph(backend, specs, ext_metas, live_metas, the_plan, spec_values)
 
@@ -141,6 +169,7 @@ def run(path: Path, seg, ctx, counters) -> None:
     graph = None
     if path.backend != "exact" and path.state == HOT:
         graph = _fused_graph(path, seg, live, ctx, counters)
+    path.last_fused = graph is not None
     exts = seg.exts
     targets = {i: _target(path, seg, i) for i in (graph.live if graph else live)}
     reference = _crosscheck_reference(path, seg, targets) if ctx.config.crosscheck else None
@@ -167,22 +196,33 @@ def run(path: Path, seg, ctx, counters) -> None:
 def _fused_graph(path: Path, seg, live: tuple, ctx, counters):
     variant = path.variant(live, seg.floats)
     key = path.variants.get(variant)
+    if key is None and path.observe(seg.floats):  # a specialized float changed: lift it
+        variant = path.variant(live, seg.floats)
+        key = path.variants.get(variant)
     graph = ctx.cache.get(key) if key is not None else None
     if graph is not None:
         counters.cache_hits += 1
         if graph.mutates_external and _written_input_aliased(graph.plan, seg.exts):
             counters.fallback("a written input aliases another input: replayed exactly")
             return None
+        if graph.plan.signed_zeros and not _same_zero_signs(graph.plan, variant[2]):
+            counters.fallback("a specialized float changed its sign of zero: replayed exactly")
+            return None
         return graph
     counters.cache_misses += 1
     if ctx.debug >= 3:
-        log.debug("cache MISS graph%d variant live=%d spec=%s", path.gid, len(live), variant[1])
+        log.debug("cache MISS graph%d variant live=%d spec=%s", path.gid, len(live), variant[2])
     if key is None and len(path.variants) >= ctx.config.variant_budget:
         ctx.retire(path, "variant budget exhausted")
         return None
-    ctx.request(path, variant, counters)
+    if variant not in path.pending:  # new, or evicted from the cache since
+        ctx.request(path, variant, counters)
     counters.fallback("variant compiling: replayed exactly")
     return None
+
+
+def _same_zero_signs(the_plan, values) -> bool:
+    return all(math.copysign(1.0, values[p]) == sign for p, sign in the_plan.signed_zeros)
 
 
 def _written_input_aliased(the_plan, exts) -> bool:

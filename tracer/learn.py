@@ -77,7 +77,9 @@ def same_outputs(spec: OpSpec, res) -> bool:
 def register_outputs(S, spec: OpSpec, res) -> None:
     leaves = (res,) if spec.tree == "one" else () if spec.tree == "none" else tuple(res)
     for o, t in zip(spec.outs, leaves):
-        if o.kind in ("fresh", "view"):
+        if o.kind == "fresh":
+            S.add_cold_fresh(t)
+        elif o.kind == "view":
             S.add_value(t)
         elif o.kind == "ext":
             S.add_external(t)
@@ -146,6 +148,8 @@ def _ext_base(node: Node, ext: Ext):
         n = n.parent
     if n.spec is None or not n.spec.ext_view:
         return None
+    if all(o.arg != ext.k for o in n.spec.outs):
+        return None  # ``ext`` is this view's input, new to the segment here: a true external
     return next((a for a in n.spec.args if type(a) is Ext), None)
 
 
@@ -189,15 +193,14 @@ def path_of(mode, node: Node) -> Path:
 def after_end(mode, node: Node, was_hot: bool, seconds: float) -> None:
     path = node.path
     if was_hot:
-        if path is not None and path.state == HOT and path.backend != "exact":
+        if path is not None and path.state == HOT and path.last_fused:
             path.hot_times.append(seconds)
             ratio = mode.config.retire_ratio
             if not path.profitable(ratio):
                 retire(mode, path, f"slower than eager (ratio > {ratio})")
         return
-    if path is None and node.ends < mode.config.hot_threshold:
-        return
     path = path_of(mode, node)
+    path.observe(mode.seg.floats)
     path.cold_times.append(seconds)
     if path.state == COLD and node.ends >= mode.config.hot_threshold:
         _warm(mode, node, path)
@@ -213,7 +216,7 @@ def _warm(mode, node: Node, path: Path) -> None:
                      path.specs[0].line)
         return
     S = mode.seg
-    live = tuple(i for i in path.fresh if S.outw[i]() is not None)
+    live = tuple(i for i in path.fresh if S.alive(i))
     path.state = WARM
     request(mode, path, path.variant(live, S.floats))
 
@@ -221,6 +224,7 @@ def _warm(mode, node: Node, path: Path) -> None:
 def request(mode, path: Path, variant) -> None:
     key = path.graph_key(variant)
     path.variants[variant] = key
+    path.pending.add(variant)
     if mode.debug >= 1:
         log.info("compiling graph%d: %d ops, %d live outputs (%s .. %s)", path.gid,
                  len(path.specs), len(variant[0]), path.specs[0].line, path.specs[-1].line)
@@ -234,6 +238,7 @@ def install(mode) -> None:
     c = mode.counters
     while inbox:
         (generation, path, variant), graph, error, built = inbox.popleft()
+        path.pending.discard(variant)
         if generation != mode.generation or path.state == RETIRED:
             continue
         if error is not None:

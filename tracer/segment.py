@@ -23,12 +23,17 @@ from adaptive_eager.scheduler.program import Ext, Val
 __all__ = ["Segment"]
 
 _wref = weakref.ref
+# A weak reference to a storage (an int handle): tells whether anything still uses the
+# memory -- a gradient autograd moved into ``.grad`` after our Python object died -- without
+# keeping it alive.
+_expired = torch.UntypedStorage._expired
+_free_weak = torch.UntypedStorage._free_weak_ref
 
 
 class Segment:
     __slots__ = (
         "owner", "root", "node", "expect", "hot", "ids", "outw", "stor", "exts", "extw",
-        "floats", "rng", "t0", "n_ops", "_mutated",
+        "floats", "rng", "t0", "n_ops", "_mutated", "cold_storage",
     )
 
     def __init__(self, owner, root):
@@ -37,6 +42,11 @@ class Segment:
         self.reset()
 
     def reset(self) -> None:
+        cold = getattr(self, "cold_storage", None)
+        if cold:
+            for ref in cold.values():
+                _free_weak(ref)
+        self.cold_storage: dict = {}  # value index -> weak storage ref (cold fresh outputs)
         self.node = self.root
         self.expect = self.root.hot_next
         self.hot = False
@@ -89,6 +99,18 @@ class Segment:
         self.ids[id(t)] = len(self.outw)
         self.outw.append(_wref(t))
         self.stor.append(storage)
+
+    def add_cold_fresh(self, t) -> None:
+        """A fresh output of a cold op: tracked by a weak reference to its storage."""
+        self.cold_storage[len(self.outw)] = t.untyped_storage()._weak_ref()
+        self.add_value(t)
+
+    def alive(self, i: int) -> bool:
+        """Is value i still reachable (Note [Liveness]): its storage, else its object."""
+        ref = self.cold_storage.get(i)
+        if ref is not None:
+            return not _expired(ref)
+        return self.outw[i]() is not None
 
     def mutated_externals(self) -> set:
         """Indices of externals written by deferred ops (cached per segment length)."""
