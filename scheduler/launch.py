@@ -5,6 +5,9 @@ its ops, its lifecycle state and its compiled variants. Lifecycle (DESIGN §3)::
 
     cold --(ends >= hot_threshold)--> warm --(graph ready)--> hot --(slower / budget)--> retired
 
+A warm path defers already and replays exactly while its graph compiles (Note [Warm paths
+replay exactly] in tracer.learn); a hot one launches the fused graph.
+
 ``run`` launches one segment along a path. A *variant* is what a compiled fused graph is
 specialized on beyond the path itself: which fresh outputs are still live at launch (dead ones
 are not materialized, so Inductor keeps them in registers) and the values of floats that
@@ -167,7 +170,7 @@ def run(path: Path, seg, ctx, counters) -> None:
     path.replays += 1
     live = live_values(path, seg)
     graph = None
-    if path.backend != "exact" and path.state == HOT:
+    if path.backend != "exact" and path.state in (WARM, HOT):
         graph = _fused_graph(path, seg, live, ctx, counters)
     path.last_fused = graph is not None
     exts = seg.exts

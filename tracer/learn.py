@@ -3,8 +3,16 @@
 Cold runs execute the op eagerly and describe what came out (``make_node``). At a segment
 end the node's ``Path`` moves through its states (scheduler.launch): after ``hot_threshold``
 ends it is *warm* and its graph is requested from the background compiler; the delivery is
-installed here, on the owning thread, which makes the path *hot* in the trie; a graph
-measured slower than the eager segment, or a path out of variants, is *retired*.
+installed here, on the owning thread, which makes the path *hot*; a graph measured slower
+than the eager segment, or a path out of variants, is *retired*.
+
+Note [Warm paths replay exactly]: a warm path already defers. Its segments launch as one
+``exact`` replay (bitwise eager, no compile needed) until the fused graph arrives, each
+counted as the fallback "variant compiling: replayed exactly". A training loop therefore
+reaches one launch per step after ``hot_threshold`` steps however long Inductor takes (a
+cold C++ compile takes seconds on two cores), and the loop never waits for the compiler.
+The exact tier is what the queue seam needs on launch-bound devices anyway: one submission
+per segment.
 """
 
 from __future__ import annotations
@@ -218,6 +226,7 @@ def _warm(mode, node: Node, path: Path) -> None:
     S = mode.seg
     live = tuple(i for i in path.fresh if S.alive(i))
     path.state = WARM
+    mark_hot(node)  # Note [Warm paths replay exactly]
     request(mode, path, path.variant(live, S.floats))
 
 
@@ -259,11 +268,10 @@ def install(mode) -> None:
             log.debug("graph%d code:\n%s", path.gid, graph.code)
         if path.state == WARM:
             path.state = HOT
-            mark_hot(path.end)
 
 
 def retire(mode, path: Path, reason: str) -> None:
-    was_hot = path.state == HOT
+    was_hot = path.state in (WARM, HOT)
     path.retire(reason)
     mode.counters.fallback(f"path retired: {reason}")
     if mode.debug >= 1:

@@ -95,7 +95,7 @@ def unmark_hot(end: Node) -> None:
 
 def _ends_here(n) -> bool:
     p = n.path
-    return p is not None and p.state == "hot" and p.launch_early and n.hot_next is None
+    return p is not None and p.state in ("warm", "hot") and p.launch_early and n.hot_next is None
 
 
 def _refresh_ends(nodes) -> None:
