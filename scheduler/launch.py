@@ -330,12 +330,11 @@ def _crosscheck_compare(path: Path, seg, targets: dict, reference, exact: bool) 
     pairs += [(seg.exts[k], ref, last_writer[k]) for k, ref in written.items()]
     for got, want, spec in pairs:
         try:
+            # The reference ran on copies of the inputs the segment writes; BLAS kernels may
+            # pick another code path for another alignment, so even the exact replay is only
+            # held to torch's default (dtype-based) tolerances here.
             if exact:
-                ok = torch.equal(got, want) or (
-                    got.is_floating_point() and torch.equal(got.isnan(), want.isnan())
-                    and torch.equal(got.nan_to_num(), want.nan_to_num()))
-                if not ok:
-                    raise AssertionError("values differ bitwise")
+                torch.testing.assert_close(got, want, equal_nan=True)
             else:
                 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, equal_nan=True)
         except AssertionError as e:

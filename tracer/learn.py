@@ -204,7 +204,8 @@ def after_end(mode, node: Node, was_hot: bool, seconds: float) -> None:
         if path is not None and path.state == HOT and path.last_fused:
             path.hot_times.append(seconds)
             ratio = mode.config.retire_ratio
-            if not path.profitable(ratio):
+            # Under crosscheck every replay also runs eagerly: its times say nothing.
+            if not mode.config.crosscheck and not path.profitable(ratio):
                 retire(mode, path, f"slower than eager (ratio > {ratio})")
         return
     path = path_of(mode, node)
