@@ -47,7 +47,8 @@ VARIABLES: tuple[Var, ...] = (
         "Micro-graph backend: `exact` (bitwise-eager replay) or `inductor` (fused). "
         "Default: inductor.", choices=BACKENDS),
     Var("NEURON_ADAPTIVE_EAGER_HOT_THRESHOLD", "hot_threshold", "int", 2,
-        "Times a path must recur before its micro-graph is compiled.", minimum=1),
+        "Times a path must recur before it is deferred and its micro-graph compiled "
+        "(it replays exactly until the graph is ready).", minimum=1),
     Var("NEURON_ADAPTIVE_EAGER_CACHE_SIZE", "cache_size", "int", 256,
         "Compiled micro-graphs kept (LRU).", minimum=1),
     Var("NEURON_ADAPTIVE_EAGER_CROSSCHECK", "crosscheck", "bool", False,

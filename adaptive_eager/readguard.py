@@ -49,7 +49,7 @@ def _guard(engine, name, original):
     @functools.wraps(original)
     def guarded(self, *args, **kwargs):
         m = engine.mode()
-        if m is None:
+        if m is None or m.paused:
             return original(self, *args, **kwargs)
         if m.seg.hot:
             m.boundary(reason)

@@ -240,7 +240,13 @@ class AdaptiveEagerMode(TorchDispatchMode):
 
     def _launch(self, node) -> None:
         path = learn.path_of(self, node)
-        _launch.run(path, self.seg, self, self.counters)
+        # Paused while the launch runs: the compiled graph's own reads (Inductor checks input
+        # alignment through data_ptr) must not re-enter the read guard's flush.
+        self.paused += 1
+        try:
+            _launch.run(path, self.seg, self, self.counters)
+        finally:
+            self.paused -= 1
 
     # scheduler.launch calls back through these two
     def request(self, path, variant, counters) -> None:

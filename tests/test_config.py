@@ -1,0 +1,72 @@
+"""adaptive_eager.config: every setting parsed in one place, with one-line errors."""
+
+import pytest
+
+from adaptive_eager.config import VARIABLES, Config, ConfigError, from_env, resolve
+
+
+def test_defaults():
+    c = resolve()
+    assert c == Config()
+    assert c.devices == ("neuron",)
+    assert c.backend_for("cpu") == "inductor"
+
+
+def test_keywords_override_environment(monkeypatch):
+    monkeypatch.setenv("NEURON_ADAPTIVE_EAGER_BACKEND", "exact")
+    monkeypatch.setenv("NEURON_ADAPTIVE_EAGER_HOT_THRESHOLD", "5")
+    assert resolve().backend == "exact"
+    assert resolve().hot_threshold == 5
+    assert resolve(backend="inductor", hot_threshold=3).backend == "inductor"
+    assert resolve(hot_threshold=3).hot_threshold == 3
+
+
+def test_devices_parsed_and_deduplicated(monkeypatch):
+    monkeypatch.setenv("NEURON_ADAPTIVE_EAGER_DEVICES", " CPU, cuda,cpu")
+    assert resolve().devices == ("cpu", "cuda")
+    assert resolve(devices=["neuron"]).devices == ("neuron",)
+
+
+@pytest.mark.parametrize(
+    "keyword, value, accepted",
+    [
+        ("backend", "foo", "'exact', 'inductor'"),
+        ("devices", ("cpu", "tpu"), "'cpu', 'cuda', 'neuron'"),
+        ("hot_threshold", 0, ">= 1"),
+        ("hot_threshold", 2.5, "an integer"),
+        ("cache_size", "many", "an integer"),
+        ("crosscheck", "maybe", "0 or 1"),
+    ],
+)
+def test_bad_keyword_names_value_and_accepted(keyword, value, accepted):
+    with pytest.raises(ConfigError) as info:
+        resolve(**{keyword: value})
+    message = str(info.value)
+    assert "\n" not in message
+    assert repr(value) in message and accepted in message and keyword in message
+
+
+def test_bad_environment_value_is_one_line(monkeypatch):
+    monkeypatch.setenv("NEURON_ADAPTIVE_EAGER_DEBUG", "9")
+    values, errors = from_env()
+    assert "debug" not in values
+    assert errors == [
+        "adaptive_eager: NEURON_ADAPTIVE_EAGER_DEBUG='9' is not valid; "
+        "accepted: an integer >= 0 and <= 4"
+    ]
+    with pytest.raises(ConfigError):
+        resolve()
+
+
+def test_unknown_keyword():
+    with pytest.raises(TypeError, match="unknown setting 'speed'"):
+        resolve(speed=3)
+
+
+def test_every_variable_documented_and_parseable():
+    names = [v.env for v in VARIABLES]
+    assert len(names) == len(set(names))
+    for v in VARIABLES:
+        assert v.env.startswith("NEURON_ADAPTIVE_EAGER") and v.doc
+        if v.field != "autoload":
+            assert hasattr(Config(), v.field)

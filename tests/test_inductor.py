@@ -1,0 +1,174 @@
+"""The fused backend: background compiles, cached graphs, lifted floats, errors, retirement.
+
+Graphs are kept tiny and shapes shared so the session's Inductor cache serves most compiles.
+"""
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import adaptive_eager as ae
+from conftest import Delta, wait_compiles
+
+IND = dict(devices=("cpu",), backend="inductor")
+
+
+def chain(x, a=1.5, b=1.0):
+    for _ in range(3):
+        x = x * a
+        x = x + b
+    return x
+
+
+def hot(fn, runs=3):
+    for _ in range(runs):
+        fn()
+    wait_compiles()
+    fn()  # installs the delivered graph at its first boundary
+
+
+def test_fused_replay_values_and_counts():
+    x = torch.randn(64)
+    ref = chain(x).sum().item()
+    with ae.enabled(**IND):
+        d = Delta()
+        hot(lambda: chain(x).sum().item())
+        assert d.graphs_compiled == 1
+        assert d.fallbacks.get("variant compiling: replayed exactly", 0) >= 1  # warm: exact
+        d = Delta()
+        got = [chain(x).sum().item() for _ in range(3)]
+        assert d.cache_hits == 3 and d.cache_misses == 0 and d.graphs_compiled == 0
+        assert d.launches == 6  # per run: one fused replay + the .item() read
+        assert d.ops_deferred == 3 * 7
+    assert got == pytest.approx([ref] * 3, rel=1e-5)
+
+
+def test_changing_float_is_lifted_not_recompiled():
+    x = torch.randn(64)
+    with ae.enabled(**IND):
+        hot(lambda: chain(x, 1.5).sum().item())
+        got = {}
+        for a in (1.25, 1.75, 2.0, 0.5):  # the first change recompiles with `a` lifted ...
+            got[a] = chain(x, a).sum().item()
+            wait_compiles()
+        d = Delta()
+        for a in (3.0, 0.75):  # ... then new values reuse that graph
+            got[a] = chain(x, a).sum().item()
+        assert d.graphs_compiled == 0 and d.cache_hits == 2
+    for a, v in got.items():
+        assert v == pytest.approx(chain(x, a).sum().item(), rel=1e-5)
+
+
+def test_signed_zero_float_is_exact():
+    x = torch.full((8,), -1.0)
+
+    def f(b):
+        return (x * 0.0 + b).reciprocal()  # 1 / (-0.0 + b): the sign of b's zero shows
+
+    with ae.enabled(**IND):
+        for _ in range(3):
+            f(0.0).sum().item()
+        wait_compiles()
+        for b in (0.0, -0.0, 0.0):
+            assert torch.equal(f(b), 1 / (x * 0.0 + b))
+
+
+def test_live_intermediate_is_materialized():
+    x = torch.randn(64)
+    with ae.enabled(**IND):
+        def step():
+            y = x * 1.5
+            z = (y + 1.0).sum()
+            return y, z.item()
+
+        for _ in range(3):
+            step()
+        wait_compiles()
+        step()
+        d = Delta()
+        y, z = step()
+        assert d.cache_hits == 1
+    assert torch.allclose(y, x * 1.5) and z == pytest.approx((x * 1.5 + 1).sum().item(), rel=1e-5)
+
+
+def test_crosscheck_passes_on_correct_graphs():
+    x = torch.randn(64)
+    with ae.enabled(crosscheck=True, **IND):
+        hot(lambda: chain(x).sum().item())
+        d = Delta()
+        chain(x).sum().item()
+        assert d.cache_hits == 1
+
+
+def test_fused_error_names_op_and_line():
+    table = torch.randn(10, 4)
+
+    def step(ids):
+        h = F.embedding(ids, table)  # the failing line
+        return (h * 2).sum()
+
+    line = step.__code__.co_firstlineno + 1
+    with ae.enabled(**IND):
+        hot(lambda: step(torch.tensor([1, 2, 3])).item())
+        with pytest.raises(IndexError) as info:
+            step(torch.tensor([1, 2, 99])).item()
+        assert f"test_inductor.py:{line}" in str(info.value)
+        assert step(torch.tensor([4, 5, 6])).item() == pytest.approx(
+            (F.embedding(torch.tensor([4, 5, 6]), table) * 2).sum().item(), rel=1e-5
+        )
+
+
+def test_training_within_tolerance():
+    torch.manual_seed(0)
+
+    def run(engine):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(),
+                                    torch.nn.Dropout(0.1), torch.nn.Linear(16, 4))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        xs, ys = torch.randn(12, 6, 8), torch.randint(0, 4, (12, 6))
+        out = []
+        with ae.enabled(**IND) if engine else contextlib.nullcontext():
+            for i in range(12):
+                loss = F.cross_entropy(model(xs[i]), ys[i])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                out.append(loss.item())
+                if engine and i == 3:
+                    wait_compiles()
+        return out
+
+    ref = run(False)
+    d = Delta()
+    got = run(True)
+    assert got == pytest.approx(ref, rel=1e-4)
+    assert d.cache_hits >= 5
+
+
+def test_slow_graph_is_retired(monkeypatch):
+    monkeypatch.setenv("NEURON_ADAPTIVE_EAGER_RETIRE_RATIO", "0.000001")
+    x = torch.randn(64)
+    with ae.enabled(**IND):
+        hot(lambda: chain(x).sum().item())
+        for _ in range(8):
+            chain(x).sum().item()
+        assert any(r.startswith("path retired: slower than eager") for r in ae.stats().fallbacks)
+        d = Delta()
+        assert chain(x).sum().item() == pytest.approx(chain(x).sum().item())
+        assert d.replays == 0 and d.ops_eager > 0
+
+
+def test_variant_budget(monkeypatch):
+    monkeypatch.setenv("NEURON_ADAPTIVE_EAGER_VARIANTS", "1")
+    x = torch.randn(64)
+    keep = []
+    with ae.enabled(**IND):
+        hot(lambda: chain(x).sum().item())
+        y = chain(x)  # keeping the chain's result changes the live outputs: a new variant
+        keep.append(y)
+        s = y.sum().item()
+        assert any("variant budget exhausted" in r for r in ae.stats().fallbacks)
+    assert s == pytest.approx(chain(x).sum().item(), rel=1e-5)

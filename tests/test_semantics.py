@@ -1,0 +1,287 @@
+"""DESIGN §6 with the exact backend: the engine is invisible except for the launch count."""
+
+import io
+import pickle
+import threading
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import adaptive_eager as ae
+from conftest import Delta
+
+CPU = dict(devices=("cpu",), backend="exact")
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 4)
+        self.ln, self.drop = nn.LayerNorm(16), nn.Dropout(0.2)
+
+    def forward(self, x):
+        return self.fc2(self.drop(self.ln(F.gelu(self.fc1(x)))))
+
+
+def train(opt_factory, steps=8, engine=None):
+    torch.manual_seed(0)
+    model = Net()
+    opt = opt_factory(model.parameters())
+    xs, ys = torch.randn(steps, 5, 8), torch.randint(0, 4, (steps, 5))
+    losses = []
+    ctx = ae.enabled(**engine) if engine else _Null()
+    with ctx:
+        for i in range(steps):
+            loss = F.cross_entropy(model(xs[i]), ys[i])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+OPTIMIZERS = {
+    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=False),
+    "adamw-foreach": lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=True),
+    "sgd-momentum-foreach": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, foreach=True),
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.1, foreach=False),
+}
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_training_bitwise_and_one_launch_per_step(name):
+    ref_losses, ref_params = train(OPTIMIZERS[name])
+    d = Delta()
+    losses, params = train(OPTIMIZERS[name], engine=CPU)
+    assert losses == ref_losses
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
+    assert d.replays >= 5  # hot from the third step on
+    assert d.boundaries.get("optimizer step") == 8
+
+
+def test_random_ops_bitwise():
+    def f():
+        x = torch.rand(32)
+        return (F.dropout(x, 0.5) + torch.randn(32)).sum()
+
+    torch.manual_seed(1)
+    ref = [f().item() for _ in range(6)]
+    torch.manual_seed(1)
+    with ae.enabled(**CPU):
+        got = [f().item() for _ in range(6)]
+    assert got == ref
+    assert ae.stats().replays >= 3
+
+
+def test_manual_seed_between_defer_and_launch():
+    def f():
+        return torch.randn(4) * 2
+
+    with ae.enabled(**CPU):
+        for _ in range(3):
+            f().sum().item()
+        torch.manual_seed(5)
+        y = f()  # deferred with the generator at seed 5
+        torch.manual_seed(7)
+        z = torch.randn(4)  # a different path start: y launches first
+    torch.manual_seed(5)
+    assert torch.equal(y, torch.randn(4) * 2)
+    torch.manual_seed(7)
+    assert torch.equal(z, torch.randn(4))
+
+
+def test_inplace_and_views_of_pending():
+    def f(x):
+        y = x * 2
+        v = y[1:3]  # view of a pending value
+        v.add_(10)  # in-place through the view
+        y.mul_(3)
+        return y, v
+
+    x = torch.arange(5.0)
+    ref_y, ref_v = f(x)
+    with ae.enabled(**CPU):
+        for _ in range(4):
+            y, v = f(x)
+            ae.mark_step()
+        assert ae.stats().replays >= 1
+    assert torch.equal(y, ref_y) and torch.equal(v, ref_v)
+    assert v._base is y or v.untyped_storage().data_ptr() == y.untyped_storage().data_ptr()
+
+
+def test_external_mutation_is_visible():
+    buf = torch.zeros(4)
+
+    def step(i):
+        buf.add_(torch.full((4,), float(i)))
+        return buf.sum()
+
+    ref = [step(i).item() for i in range(5)]
+    buf.zero_()
+    with ae.enabled(**CPU):
+        got = [step(i).item() for i in range(5)]
+    assert got == ref
+
+
+def test_aliasing_inputs():
+    def f(a, b):
+        a.add_(b)
+        return a * b
+
+    with ae.enabled(**CPU):
+        for _ in range(3):
+            x = torch.ones(4)
+            f(x, torch.ones(4)).sum().item()
+        x = torch.ones(4)
+        out = f(x, x)  # the same tensor twice: a different signature, runs correctly
+        assert torch.equal(out, torch.full((4,), 4.0)) and torch.equal(x, torch.full((4,), 2.0))
+        x = torch.ones(8)
+        out = f(x[:4], x[4:])  # disjoint views of one storage
+        assert torch.equal(out, torch.full((4,), 2.0))
+
+
+def _pending():
+    """Under the engine, a tensor whose value is deferred."""
+    x = torch.arange(6.0).reshape(2, 3)
+    for _ in range(3):
+        y = (x + 1) * 2
+        ae.mark_step()
+    return (x + 1) * 2
+
+
+READS = {
+    "tolist": lambda t: t.tolist(),
+    "numpy": lambda t: t.numpy().tolist(),
+    "array": lambda t: np.asarray(t).tolist(),
+    "repr": lambda t: repr(t),
+    "str": lambda t: str(t),
+    "pickle": lambda t: pickle.loads(pickle.dumps(t)).tolist(),
+    "torch.save": lambda t: _saved(t).tolist(),
+    "item": lambda t: t[1, 2].item(),
+    "float": lambda t: float(t[0, 1]),
+    "bool": lambda t: bool(t[0, 0] > 1),
+    "eq": lambda t: torch.equal(t, torch.tensor([[2.0, 4, 6], [8, 10, 12]])),
+    "dlpack": lambda t: torch.from_dlpack(t).tolist(),
+}
+
+
+def _saved(t):
+    f = io.BytesIO()
+    torch.save(t, f)
+    f.seek(0)
+    return torch.load(f)
+
+
+@pytest.mark.parametrize("read", READS)
+def test_reads_of_pending_tensors(read):
+    want = READS[read](torch.tensor([[2.0, 4, 6], [8, 10, 12]]))
+    with ae.enabled(**CPU):
+        t = _pending()
+        d = Delta()
+        got = READS[read](t)
+        assert d.replays == 1, f"{read} did not flush"
+    assert got == want
+
+
+def test_data_ptr_flushes():
+    with ae.enabled(**CPU):
+        t = _pending()
+        d = Delta()
+        t.data_ptr()
+        assert d.replays == 1
+    assert t.tolist() == [[2.0, 4, 6], [8, 10, 12]]
+
+
+def test_autograd_gradients_match():
+    def f(w, x):
+        return ((x @ w).tanh() * 3).sum()
+
+    torch.manual_seed(0)
+    w0, x = torch.randn(4, 3), torch.randn(5, 4)
+    w = w0.clone().requires_grad_()
+    f(w, x).backward()
+    ref = w.grad.clone()
+    with ae.enabled(**CPU):
+        for _ in range(4):
+            w = w0.clone().requires_grad_()
+            f(w, x).backward()
+            assert torch.equal(w.grad, ref)
+    assert ae.stats().replays >= 1
+
+
+def test_deterministic_algorithms_turn_deferral_off():
+    x = torch.randn(8)
+    with ae.enabled(**CPU):
+        for _ in range(3):
+            (x * 2).sum().item()
+        torch.use_deterministic_algorithms(True)
+        d = Delta()
+        assert (x * 2).sum().item() == (x * 2).sum().item()
+        assert d.replays == 0 and d.ops_deferred == 0
+        assert d.fallbacks.get("deterministic algorithms: deferral off", 0) >= 1
+        torch.use_deterministic_algorithms(False)
+        d = Delta()
+        (x * 2).sum().item()
+        assert d.replays == 1
+
+
+def test_two_threads():
+    def work(seed, out):
+        torch.manual_seed(seed)
+        x = torch.randn(64)
+        with ae.enabled(**CPU):
+            out.append([((x * 2 + 1).relu() * 3).sum().item() for _ in range(20)])
+
+    results = []
+    threads = [threading.Thread(target=work, args=(s, results)) for s in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not ae.is_enabled()  # this thread never enabled it
+    refs = []
+    for s in (1, 2):
+        torch.manual_seed(s)
+        x = torch.randn(64)
+        refs.append([((x * 2 + 1).relu() * 3).sum().item()] * 20)
+    assert sorted(results) == sorted(refs)
+    assert ae.stats().replays >= 30
+
+
+def test_error_same_type_names_line_and_engine_usable():
+    emb = nn.Embedding(10, 4)
+
+    def step(ids):
+        h = emb(ids)  # the failing line
+        return (h * 2).sum()
+
+    line = step.__code__.co_firstlineno + 1
+    with ae.enabled(**CPU):
+        for _ in range(4):
+            step(torch.tensor([1, 2, 3])).item()
+        d = Delta()
+        with pytest.raises(IndexError) as info:
+            step(torch.tensor([1, 2, 99])).item()
+        assert d.replays == 1  # the failing op was deferred and ran at the .item() sync
+        assert f"test_semantics.py:{line}" in str(info.value)
+        assert "aten.embedding" in str(info.value)
+        assert step(torch.tensor([1, 2, 3])).item() == step(torch.tensor([1, 2, 3])).item()
+
+
+def test_unsupported_op_is_a_counted_boundary():
+    x = torch.tensor([0.0, 1.0, 0.0, 2.0])
+    with ae.enabled(**CPU):
+        for _ in range(3):
+            assert torch.nonzero(x * 2).tolist() == [[1], [3]]
+    assert any("data-dependent output shape" in r for r in ae.stats().fallbacks)
