@@ -285,3 +285,37 @@ def test_unsupported_op_is_a_counted_boundary():
         for _ in range(3):
             assert torch.nonzero(x * 2).tolist() == [[1], [3]]
     assert any("data-dependent output shape" in r for r in ae.stats().fallbacks)
+
+
+def test_device_copy_is_a_boundary():
+    x = torch.randn(4)
+    with ae.enabled(**CPU):
+        for _ in range(3):
+            m = (x * 2).to("meta")
+            assert m.device.type == "meta" and m.shape == (4,)
+    assert any(r.startswith("device copy") for r in ae.stats().fallbacks)
+
+
+def test_crosscheck_mismatch_raises_with_op_and_line(monkeypatch):
+    from adaptive_eager.scheduler import launch
+    from adaptive_eager.scheduler.program import interpret
+
+    x = torch.randn(8)
+
+    def f():
+        return (x * 3).sum()  # the checked line
+
+    line = f.__code__.co_firstlineno + 1
+    with ae.enabled(crosscheck=True, **CPU):
+        for _ in range(3):
+            f().item()
+
+        def corrupt(specs, floats, exts, targets, **kw):
+            env = interpret(specs, floats, exts, targets, **kw)
+            for t in targets.values():
+                t.add_(1)  # a replay that writes a wrong value
+            return env
+
+        monkeypatch.setattr(launch, "interpret", corrupt)
+        with pytest.raises(launch.CrosscheckError, match=f"test_semantics.py:{line}"):
+            f().item()

@@ -99,6 +99,8 @@ class AdaptiveEagerMode(TorchDispatchMode):
         if not managed:
             c.ops_passthrough += 1
             return func(*args, **kwargs)
+        if _crosses_devices(tensors, kwargs):
+            return self._boundary_op(func, args, kwargs, "device copy")
         if self.host_scalars and tensors and learn.host_scalar_op(S, tensors):
             if info.mutated_args and any(S.feeds(t) for t in tensors):
                 self.end_segment("host op writes a segment input")
@@ -308,6 +310,16 @@ def _dispatch(self, func, types, args=(), kwargs=None):
 # function runs; the engine suspends itself around torch.compile'd code instead
 # (adaptive_eager.engine).
 AdaptiveEagerMode.__torch_dispatch__ = _dispatch
+
+
+def _crosses_devices(tensors, kwargs) -> bool:
+    """Does the op move data between devices (``.to(other)``, ``copy_`` across devices)?"""
+    # 0-dim CPU tensors take part in ops on any device (wrapped scalars): not a copy.
+    devices = {t.device for t in tensors if t.dim() or t.device.type != "cpu"}
+    dev = kwargs.get("device")
+    if dev is not None:
+        devices.add(torch.device(dev))
+    return len(devices) > 1
 
 
 _SKIP: tuple = ()
