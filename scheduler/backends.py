@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
 
 import torch
@@ -45,9 +44,6 @@ class Plan:
     lifted: tuple  # (op index, rec index) in packed order
     specialized: tuple  # (op index, rec index) whose values are part of the variant key
     lifted_ops: frozenset  # op indices whose call goes through lift_call
-    # (position in ``specialized``, sign) of specialized float zeros: 0.0 == -0.0, so the
-    # variant key cannot tell them apart; the launch checks their sign (Note [Float variants]).
-    signed_zeros: tuple = ()
 
 
 def plan(specs, dynamic=frozenset(), reference=None) -> Plan:
@@ -59,7 +55,9 @@ def plan(specs, dynamic=frozenset(), reference=None) -> Plan:
     reliably); those are *lifted* into the packed input where the op allows it. Constants
     let the C++ compiler fold them: a 64-op chain on 1M floats runs ~8x faster than with
     every float loaded from the packed input. ``reference`` is one recorded run (floats per
-    op) that tells zeros and NaNs.
+    op) that tells zeros and NaNs. A specialized slot that cannot be lifted may still see a
+    zero: 0.0 == -0.0 in the variant key, so a launch with a zero there compares signs with
+    the values the graph was compiled with.
     """
     # Note [External views] (tracer.signature): a view of an external is a graph input
     # unless the segment writes what it views; then it is computed in-graph from its base.
@@ -99,15 +97,7 @@ def plan(specs, dynamic=frozenset(), reference=None) -> Plan:
                     lifted_ops.add(n)
                 else:
                     special.append((n, j))
-    signed_zeros = ()
-    if reference is not None:
-        signed_zeros = tuple(
-            (p, math.copysign(1.0, reference[n][j]))
-            for p, (n, j) in enumerate(special)
-            if type(reference[n][j]) is float and reference[n][j] == 0.0
-        )
-    return Plan(ext_inputs, mutated_inputs, tuple(lifted), tuple(special), frozenset(lifted_ops),
-                signed_zeros)
+    return Plan(ext_inputs, mutated_inputs, tuple(lifted), tuple(special), frozenset(lifted_ops))
 
 
 @dataclasses.dataclass(eq=False)
@@ -124,6 +114,7 @@ class Graph:
     code: str = ""
     mutates_external: bool = False
     gid: int = 0
+    spec_values: tuple = ()  # the specialized floats compiled in (Note [Float variants])
 
 
 def exact_graph(specs, n_ext: int) -> Graph:
@@ -209,7 +200,7 @@ def inductor_graph(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_valu
     run = getattr(compiled, "current_callable", None) or compiled
     return Graph("inductor", run, tuple(live_metas), the_plan, len(ext_metas), len(specs),
                  compile_seconds=time.perf_counter() - start, code=gm.code,
-                 mutates_external=bool(the_plan.mutated_inputs))
+                 mutates_external=bool(the_plan.mutated_inputs), spec_values=tuple(spec_values))
 
 
 BACKENDS = {"inductor": inductor_graph}

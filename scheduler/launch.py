@@ -122,9 +122,8 @@ class Path:
         return live, the_plan.lifted, tuple(floats[n][j] for n, j in the_plan.specialized)
 
     def builder(self, variant):
-        live, lifted, spec_values = variant
-        the_plan = next(p for p in self.plans.values() if p.lifted == lifted)
-        specs, ext_metas, backend = self.specs, self.ext_metas, self.backend
+        live, _, spec_values = variant  # computed from the current plan just before
+        specs, ext_metas, the_plan, backend = self.specs, self.ext_metas, self.plan, self.backend
         live_metas = {i: self.val_meta[i] for i in live}
         return lambda: compile_graph(backend, specs, ext_metas, live_metas, the_plan, spec_values)
 
@@ -208,7 +207,7 @@ def _fused_graph(path: Path, seg, live: tuple, ctx, counters):
         if graph.mutates_external and _written_input_aliased(graph.plan, seg.exts):
             counters.fallback("a written input aliases another input: replayed exactly")
             return None
-        if graph.plan.signed_zeros and not _same_zero_signs(graph.plan, variant[2]):
+        if 0.0 in variant[2] and not _same_zero_signs(graph.spec_values, variant[2]):
             counters.fallback("a specialized float changed its sign of zero: replayed exactly")
             return None
         return graph
@@ -224,8 +223,9 @@ def _fused_graph(path: Path, seg, live: tuple, ctx, counters):
     return None
 
 
-def _same_zero_signs(the_plan, values) -> bool:
-    return all(math.copysign(1.0, values[p]) == sign for p, sign in the_plan.signed_zeros)
+def _same_zero_signs(compiled, values) -> bool:
+    return all(math.copysign(1.0, a) == math.copysign(1.0, b)
+               for a, b in zip(compiled, values) if type(a) is float and a == 0.0)
 
 
 def _written_input_aliased(the_plan, exts) -> bool:
