@@ -63,6 +63,9 @@ VARIABLES: tuple[Var, ...] = (
         "Ops after which a segment is cut even without a boundary.", minimum=1),
     Var("NEURON_ADAPTIVE_EAGER_MAX_TRIE_NODES", "max_trie_nodes", "int", 200000,
         "Trie size budget per thread; past it new paths are not learned.", minimum=1),
+    Var("NEURON_ADAPTIVE_EAGER_DIVERGENCE_LIMIT", "divergence_limit", "int", 3,
+        "Divergences from a hot path at one op after which segments always end there "
+        "(the path is cut: one extra launch instead of a cold run each time).", minimum=1),
     Var("NEURON_ADAPTIVE_EAGER_RETIRE_RATIO", "retire_ratio", "float", 1.10,
         "A fused graph whose measured step time exceeds this multiple of the eager "
         "step it replaces is retired; 0 disables the check.", minimum=0.0),
@@ -88,6 +91,7 @@ class Config:
     max_segment_ops: int = 20000
     max_trie_nodes: int = 200000
     retire_ratio: float = 1.10
+    divergence_limit: int = 3
 
     def backend_for(self, device_type: str) -> str:
         """Backend used for segments on ``device_type``."""

@@ -29,3 +29,34 @@ def test_fresh_constant_reusing_a_dead_temporarys_id_stays_hot():
     assert got == ref
     assert d.fallbacks.get("diverged from the hot path", 0) == 0
     assert d.replays == 5 and d.launches == 10  # one replay and the `.item()` per step
+
+
+def test_a_path_that_keeps_diverging_is_cut_and_goes_hot_in_pieces():
+    # Every third step takes another branch in the middle that is never the same twice (a
+    # new shape each time), so the hot path diverges there again and again. After
+    # ``divergence_limit`` divergences the engine cuts the path at that op: the prefix and the
+    # remainder each go hot and the step costs one extra launch, never a cold run.
+    x = torch.randn(16)
+    state = {"i": 0}
+
+    def step():
+        state["i"] += 1
+        y = x * 2
+        z = y + 1
+        if state["i"] % 3 == 0:
+            z = z[: 1 + state["i"] % 13].sum() + z  # a new slice length: a fresh branch
+        return (z * 3).sum().item()
+
+    ref = [step() for _ in range(40)]
+    state["i"] = 0
+    with ae.enabled(**CPU):
+        got = [step() for _ in range(25)]
+        d = Delta()
+        got += [step() for _ in range(15)]
+    assert got == ref
+    cuts = [r for r in ae.stats().fallbacks if r.startswith("path cut:")]
+    assert len(cuts) == 1 and "aten.add.Tensor" in cuts[0] and "test_hot.py" in cuts[0]
+    assert d.fallbacks.get("diverged from the hot path", 0) == 0
+    # each common step: prefix + remainder (+ the .item()); no op runs cold.
+    assert d.replays >= 2 * 10
+    assert d.ops_eager <= 15 + 5 * 4  # the reads, plus the odd steps' branch ops

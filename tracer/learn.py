@@ -13,6 +13,19 @@ reaches one launch per step after ``hot_threshold`` steps however long Inductor 
 cold C++ compile takes seconds on two cores), and the loop never waits for the compiler.
 The exact tier is what the queue seam needs on launch-bound devices anyway: one submission
 per segment.
+
+Note [Cuts]: a hot segment *diverges* when its next op follows no hot child of the node it
+reached: the deferred prefix launches and the rest runs cold. A branch that recurs soon
+becomes hot itself and is followed through the slow path's key lookup; what keeps diverging
+is a point where the program never repeats (a data-dependent branch, objects the signature
+cannot match). After ``divergence_limit`` divergences at one node the path is *cut* there:
+every segment, cold or hot, ends right after that node's op. The prefix becomes a path of
+its own (deferred, launched, hot like any other), the remainder starts a new segment from
+the root and goes hot on its own if it repeats, and the longer paths through the node
+retire. So a path that keeps diverging costs one extra launch, counted with its reason (the
+op, the node and both user lines), instead of a flush and a cold run every step; cuts are
+never undone, so the trie stops growing there. A rare branch is not cut: it turns hot after
+``hot_threshold`` runs and no longer diverges.
 """
 
 from __future__ import annotations
@@ -28,7 +41,7 @@ from .optable import OpClass
 from .signature import Unsupported, is_plain, out_specs, resolve_new, tree_of
 from .trie import Node, mark_hot, unmark_hot
 
-__all__ = ["make_node", "after_end", "install", "request", "retire", "block"]
+__all__ = ["make_node", "after_end", "cut", "install", "request", "retire", "block"]
 
 log = logging.getLogger("adaptive_eager")
 
@@ -199,20 +212,39 @@ def path_of(mode, node: Node) -> Path:
 
 
 def after_end(mode, node: Node, was_hot: bool, seconds: float) -> None:
-    path = node.path
-    if was_hot:
-        if path is not None and path.state == HOT and path.last_fused:
+    path = path_of(mode, node)
+    if was_hot and path.state != COLD:
+        if path.state == HOT and path.last_fused:
             path.hot_times.append(seconds)
             ratio = mode.config.retire_ratio
             # Under crosscheck every replay also runs eagerly: its times say nothing.
             if not mode.config.crosscheck and not path.profitable(ratio):
                 retire(mode, path, f"slower than eager (ratio > {ratio})")
         return
-    path = path_of(mode, node)
+    # A cold path: ended by a boundary after running eagerly, or, once a longer hot path was
+    # cut at its end (Note [Cuts]), after being deferred as that path's prefix.
     path.observe(mode.seg.floats)
-    path.cold_times.append(seconds)
+    if not was_hot:
+        path.cold_times.append(seconds)
     if path.state == COLD and node.ends >= mode.config.hot_threshold:
         _warm(mode, node, path)
+
+
+def cut(mode, node: Node, func, line: str) -> None:
+    """Segments end after ``node`` from now on (Note [Cuts]); paths through it retire."""
+    reason = (f"path cut: diverged {node.diverged} times after {node.spec.func} "
+              f"({node.spec.line}), at {func} ({line})")
+    node.cut = reason
+    mode.counters.fallback(reason)
+    if mode.debug >= 1:
+        log.info("%s", reason)
+    stack = list(node.children.values())
+    while stack:
+        n = stack.pop()
+        if n.path is not None and n.path.state in (WARM, HOT):
+            retire(mode, n.path, "cut short: " + reason)
+        stack += n.children.values()
+    node.ends_here = True
 
 
 def _warm(mode, node: Node, path: Path) -> None:

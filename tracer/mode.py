@@ -146,8 +146,8 @@ class AdaptiveEagerMode(TorchDispatchMode):
             r = child.fast(args, kwargs, S)
             if r is not MISS:
                 return r
-        if S.hot:
-            self._diverge()
+        if S.hot and self._diverge(func):  # the path is cut here: start a new segment
+            return self._step(func, info, args, kwargs, tensors)
         if child is not None and child.blocked:
             res = self._run_cold(func, info, args, kwargs) if res is None else res
             self.end_segment("boundary op")
@@ -181,7 +181,9 @@ class AdaptiveEagerMode(TorchDispatchMode):
         S.node = child
         child.visits += 1
         S.n_ops += 1
-        if S.n_ops >= self.config.max_segment_ops:
+        if child.cut:
+            self.end_segment("path cut")
+        elif S.n_ops >= self.config.max_segment_ops:
             self.end_segment("segment op cap")
         return res
 
@@ -209,18 +211,29 @@ class AdaptiveEagerMode(TorchDispatchMode):
 
     # ------------------------------------------------------------------ segment ends
 
-    def _diverge(self) -> None:
-        """The op does not follow the hot path: launch the deferred prefix, continue cold."""
+    def _diverge(self, func) -> bool:
+        """The op follows no hot child: launch the deferred prefix, continue cold.
+
+        Returns True when the node has now diverged too often and the path is cut after it
+        (Note [Cuts] in tracer.learn): the segment has ended and the op starts a new one.
+        """
         S = self.seg
         node = S.node
         self.counters.fallback("diverged from the hot path")
         if self.debug >= 3:
             log.debug("diverged after %s at depth %d", node.spec.func, node.depth)
+        node.diverged += 1
+        if not node.cut and node.diverged >= self.config.divergence_limit:
+            learn.cut(self, node, func, _user_line())
+        if node.cut:
+            self.end_segment("path cut")
+            return True
         try:
             self._launch(node)
         finally:
             S.drop_deferred()
         node.ends += 1
+        return False
 
     def end_segment(self, reason: str) -> None:
         """A boundary: launch what is deferred, count the end, start a new segment."""

@@ -33,7 +33,8 @@ _free_weak = torch.UntypedStorage._free_weak_ref
 class Segment:
     __slots__ = (
         "owner", "root", "node", "expect", "hot", "ids", "outw", "stor", "exts", "extw",
-        "floats", "rng", "t0", "n_ops", "_mutated", "cold_storage",
+        "floats", "rng", "t0", "n_ops", "_written", "_written_at", "_by_storage", "_n_indexed",
+        "cold_storage",
     )
 
     def __init__(self, owner, root):
@@ -59,7 +60,10 @@ class Segment:
         self.rng = None
         self.t0 = 0.0
         self.n_ops = 0
-        self._mutated = None
+        self._written: set = set()  # mutated_externals(), as of node ``_written_at``
+        self._written_at = self.root
+        self._by_storage: dict = {}  # storage address -> externals on it (see _aliases)
+        self._n_indexed = 0  # externals entered in _by_storage
 
     # -- called from generated hot-path code --------------------------------------------
 
@@ -75,7 +79,7 @@ class Segment:
 
     def finish(self) -> None:
         """The hot path ends at this op: launch now rather than at the next boundary."""
-        self.owner.end_segment("path end")
+        self.owner.end_segment("path cut" if self.node.cut else "path end")
 
     # -- sources and pending state (cold path) --------------------------------------------
 
@@ -113,16 +117,26 @@ class Segment:
         return self.outw[i]() is not None
 
     def mutated_externals(self) -> set:
-        """Indices of externals written by deferred ops (cached per segment length)."""
-        n = len(self.floats)
-        if self._mutated is None or self._mutated[0] != n:
-            written = set()
-            node = self.node
-            while node is not None and node.spec is not None:
-                written.update(m.k for m in node.spec.mutates if type(m) is Ext)
-                node = node.parent
-            self._mutated = (n, written)
-        return self._mutated[1]
+        """Indices of externals written by the segment's ops so far.
+
+        Kept incrementally: each call walks only the trie nodes added since the last one
+        (the segment's node only ever moves down the trie), so host-scalar ops and reads,
+        which ask once or twice per optimizer parameter, cost O(1) each rather than a walk of
+        the whole segment (quadratic in its length).
+        """
+        node = self.node
+        if node is None or node is self._written_at:
+            return self._written
+        stop = self._written_at.depth
+        written = self._written
+        n = node
+        while n.depth > stop:
+            for m in n.spec.mutates:
+                if type(m) is Ext:
+                    written.add(m.k)
+            n = n.parent
+        self._written_at = node
+        return written
 
     def involves(self, t) -> bool:
         """Is ``t`` a value of this segment, or written by one of its ops?
@@ -144,16 +158,31 @@ class Segment:
         """Is ``t`` (or its storage) an input of this segment, so writing it must wait?"""
         if self.source(t) is not None:
             return True
-        return self._aliases(t, range(len(self.extw)))
+        return self._aliases(t, None)
 
     def _aliases(self, t, ks) -> bool:
-        if not t.untyped_storage().nbytes():
+        """Does ``t`` share storage with an external in ``ks`` (None: any external)?
+
+        A dict from storage address to externals, extended with the externals added since
+        the last call, makes this a lookup; each hit is confirmed on the live tensor (an
+        external may have died and its memory been reused).
+        """
+        storage = t.untyped_storage()
+        if not storage.nbytes():
             return False
-        ptr = t.untyped_storage().data_ptr()
-        for k in ks:
-            x = self.extw[k]()
-            if x is not None and x.untyped_storage().data_ptr() == ptr:
-                return True
+        index = self._by_storage
+        extw = self.extw
+        for k in range(self._n_indexed, len(extw)):
+            x = extw[k]()
+            if x is not None and x.untyped_storage().nbytes():
+                index.setdefault(x.untyped_storage().data_ptr(), []).append(k)
+        self._n_indexed = len(extw)
+        ptr = storage.data_ptr()
+        for k in index.get(ptr, ()):
+            if ks is None or k in ks:
+                x = extw[k]()
+                if x is not None and x.untyped_storage().data_ptr() == ptr:
+                    return True
         return False
 
     def drop_deferred(self) -> None:

@@ -9,8 +9,9 @@ whose state machine (cold/warm/hot/retired) lives in scheduler.launch.
 Hot marking: when a path's graph becomes ready every node on it counts one more hot end
 below it (``hot_ends``), and each parent's ``hot_next`` points at the child the hot path
 takes: that pointer is all the hot path follows. ``ends_here`` marks a node where a hot path
-ends with nothing hot below it, on a device whose queue wants early launches: the segment
-launches right after its last op instead of at the next boundary.
+ends with nothing hot below it, on a device whose queue wants early launches, or a cut
+(Note [Cuts] in tracer.learn): the segment launches right after the node's op instead of at
+the next boundary.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ __all__ = ["Node", "new_root"]
 class Node:
     __slots__ = (
         "parent", "depth", "key", "spec", "children", "visits", "ends", "hot_ends",
-        "hot_next", "ends_here", "fast", "path", "n_ext", "n_vals", "blocked", "__weakref__",
+        "hot_next", "ends_here", "fast", "path", "n_ext", "n_vals", "blocked", "diverged",
+        "cut", "__weakref__",
     )
 
     def __init__(self, parent, key, spec, n_ext: int, n_vals: int):
@@ -42,6 +44,8 @@ class Node:
         self.n_ext = n_ext  # external inputs seen from the root through this op
         self.n_vals = n_vals  # segment values produced from the root through this op
         self.blocked = ""  # why this node never defers (unstable metadata), else ""
+        self.diverged = 0  # hot segments that did not follow any hot child of this node
+        self.cut = ""  # why segments always end after this node (Note [Cuts]), else ""
 
     @property
     def hot(self) -> bool:
@@ -94,6 +98,8 @@ def unmark_hot(end: Node) -> None:
 
 
 def _ends_here(n) -> bool:
+    if n.cut:
+        return True
     p = n.path
     return p is not None and p.state in ("warm", "hot") and p.launch_early and n.hot_next is None
 
