@@ -168,8 +168,10 @@ def trace(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values: tuple
 
         def call(n, spec, args, kwargs):
             if n in the_plan.lifted_ops:
-                return lift_call(spec.func, args, kwargs)
-            return spec.func(*args, **kwargs)
+                res = lift_call(spec.func, args, kwargs)
+            else:
+                res = spec.func(*args, **kwargs)
+            return _as_recorded(spec, res)
 
         interpret(specs, None, exts, targets, call=call, float_of=float_of)
         return ()
@@ -186,6 +188,30 @@ def trace(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values: tuple
         tracing_mode="fake",
     )(*inputs)
     return gm, inputs, fake_mode
+
+
+def _as_recorded(spec, res):
+    """Give each fresh output the strides eager gave it (Note [Traced strides])."""
+    leaves = [res] if spec.tree == "one" else [] if spec.tree == "none" else list(res)
+    changed = False
+    for j, (o, t) in enumerate(zip(spec.outs, leaves)):
+        if o.kind == "fresh" and t is not None and t.stride() != o.meta.stride:
+            m = o.meta
+            leaves[j] = torch.empty_strided(m.shape, m.stride, dtype=m.dtype,
+                                            device=m.device).copy_(t)
+            changed = True
+    if not changed:
+        return res
+    return leaves[0] if spec.tree == "one" else type(res)(leaves)
+
+
+# Note [Traced strides]: the fused graph is traced with fake tensors through Inductor's
+# decompositions, and a decomposition may lay out its output differently from the eager
+# kernel it replaces (a GPT-2 attention ``clone`` came out transposed). Views recorded
+# against eager's strides then fail in the trace ("Cannot view a tensor with shape ...").
+# Each fresh output whose traced strides differ from the recorded ones is copied into a
+# buffer with the recorded layout: the program's later views see what eager saw, and
+# Inductor fuses the copy into the producer.
 
 
 def inductor_graph(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values) -> Graph:

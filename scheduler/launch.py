@@ -73,6 +73,7 @@ class Path:
         self.variants: dict = {}  # variant -> GraphKey (requested or compiled)
         self.pending: set = set()  # variants requested and not delivered yet
         self.last_fused = False  # did the latest launch run the fused graph?
+        self.fused_error = ""  # why the fused graph could not be built: replays stay exact
         self.plans: dict = {}  # frozenset of dynamic float positions -> Plan
         self.reference = None  # floats of the first recorded run (Note [Float variants])
         self.dynamic: frozenset = frozenset()  # float positions seen to change
@@ -196,6 +197,9 @@ def run(path: Path, seg, ctx, counters) -> None:
 
 
 def _fused_graph(path: Path, seg, live: tuple, ctx, counters):
+    if path.fused_error:
+        counters.fallback("no fused graph (its compile failed): replayed exactly")
+        return None
     variant = path.variant(live, seg.floats)
     key = path.variants.get(variant)
     if key is None and path.observe(seg.floats):  # a specialized float changed: lift it

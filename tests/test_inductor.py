@@ -195,3 +195,22 @@ def test_random_ops_bitwise_under_inductor():
     for a, b in zip(got, ref):
         assert torch.equal(a == 0, b == 0)  # the same dropout mask
         torch.testing.assert_close(a, b)
+
+
+def test_failed_compile_keeps_the_path_hot_as_an_exact_replay(monkeypatch):
+    from adaptive_eager.scheduler import backends
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("lowering not supported")
+
+    monkeypatch.setitem(backends.BACKENDS, "inductor", broken)
+    x = torch.randn(64)
+    ref = chain(x, 1.25).sum().item()
+    with ae.enabled(**IND):
+        hot(lambda: chain(x, 1.25).sum().item())
+        d = Delta()
+        got = [chain(x, 1.25).sum().item() for _ in range(3)]
+        assert d.replays == 3 and d.launches == 6  # still one launch (+ the read) per run
+        assert d.fallbacks == {"no fused graph (its compile failed): replayed exactly": 3}
+    assert got == [ref] * 3  # exact replay: bitwise
+    assert ae.stats().fallbacks["compile failed: RuntimeError: lowering not supported"] == 1

@@ -284,11 +284,15 @@ def install(mode) -> None:
         if generation != mode.generation or path.state == RETIRED:
             continue
         if error is not None:
-            path.variants.pop(variant, None)
-            reason = f"compile failed: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
+            # The path stays deferred as one exact replay per segment: a graph the backend
+            # cannot build must not send a hot loop back to running cold.
+            first = (str(error).splitlines() or [""])[0][:160]
+            path.fused_error = f"compile failed: {type(error).__name__}: {first}"
+            c.fallback(path.fused_error)
             if mode.debug >= 1:
-                log.warning("graph%d %s", path.gid, reason)
-            retire(mode, path, reason)
+                log.warning("graph%d %s; replaying exactly", path.gid, path.fused_error)
+            if path.state == WARM:
+                path.state = HOT
             continue
         if built:
             c.graphs_compiled += 1
