@@ -67,15 +67,15 @@ def host_scalar_op(S, tensors) -> bool:
     return not any(S.involves(t) for t in tensors)
 
 
-def written_metas(func, info, args, kwargs):
+def written_metas(op):
     """Metadata of the arguments an op writes through its result (``out=``), before it runs."""
-    if not info.mutated_args:
+    if not op.info.mutated_args:
         return None
-    names = [a.name for a in func._schema.arguments]
+    names = [a.name for a in op.func._schema.arguments]
     out = []
-    for name in info.mutated_args:
+    for name in op.info.mutated_args:
         pos = names.index(name)
-        x = args[pos] if pos < len(args) else kwargs.get(name)
+        x = op.args[pos] if pos < len(op.args) else op.kwargs.get(name)
         for t in x if type(x) in (list, tuple) else (x,):
             if isinstance(t, torch.Tensor):
                 out.append((t, tuple(t.shape), t.stride()))
@@ -106,24 +106,26 @@ def register_outputs(S, spec: OpSpec, res) -> None:
             S.add_external(t)
 
 
-def make_node(parent: Node, key, func, info, args, kwargs, ta, tk, new, floats, res, pre,
-              factory_dtype, ext_view, line) -> Node:
+def make_node(parent: Node, op, line: str) -> Node:
+    """The trie node for ``op`` (a signature.Observed that has run) below ``parent``."""
     base = parent.n_ext
-    t_args = resolve_new(ta, base)
-    t_kwargs = resolve_new(tk, base)
+    func, info, res = op.func, op.info, op.res
+    t_args = resolve_new(op.t_args, base)
+    t_kwargs = resolve_new(op.t_kwargs, base)
     blocked = ""
     try:
         tree = tree_of(res)
-        if ext_view:
+        if op.ext_view:
             leaves = (res,) if tree == "one" else tuple(res)
-            first = base + len(new)
+            first = base + len(op.new)
             outs = tuple(Out("ext", Meta.of(t), first + j) for j, t in enumerate(leaves))
         elif info.cls is OpClass.VIEW:
             leaves = (res,) if tree == "one" else tuple(res)
             outs = tuple(Out("view") for _ in leaves)
         else:
-            outs = out_specs(func, info, args, kwargs, res, tree)
-        if pre and any(tuple(t.shape) != s or t.stride() != st for t, s, st in pre):
+            outs = out_specs(func, info, op.args, op.kwargs, res, tree)
+        if op.written and any(tuple(t.shape) != s or t.stride() != st
+                              for t, s, st in op.written):
             raise Unsupported("out= argument was resized")
     except Unsupported as u:
         blocked = f"{u.args[0]}: {func}"
@@ -132,13 +134,13 @@ def make_node(parent: Node, key, func, info, args, kwargs, ta, tk, new, floats, 
     view_exts = tuple(o.meta for o in outs if o.kind == "ext")
     spec = OpSpec(
         func=func, args=t_args, kwargs=t_kwargs, outs=outs, tree=tree,
-        val_base=parent.n_vals, n_floats=len(floats),
+        val_base=parent.n_vals, n_floats=len(op.recorded),
         mutates=_mutated_leaves(parent, func, info, t_args, t_kwargs),
-        random=info.random, view=info.cls is OpClass.VIEW, ext_view=ext_view, line=line,
-        key=key, ext_metas=tuple(Meta.of(x) for x in new) + view_exts,
-        default_dtype=factory_dtype, rec_types=tuple(type(v) for v in floats),
+        random=info.random, view=info.cls is OpClass.VIEW, ext_view=op.ext_view, line=line,
+        key=op.key, ext_metas=tuple(Meta.of(x) for x in op.new) + view_exts,
+        default_dtype=op.factory_dtype, rec_types=tuple(type(v) for v in op.recorded),
     )
-    node = Node(parent, key, spec, parent.n_ext + len(spec.ext_metas), parent.n_vals + n_vals)
+    node = Node(parent, op.key, spec, parent.n_ext + len(spec.ext_metas), parent.n_vals + n_vals)
     node.blocked = blocked
     return node
 

@@ -42,7 +42,7 @@ from adaptive_eager.scheduler.stats import Counters
 from . import learn
 from .optable import OpClass, info as op_info
 from .segment import Segment
-from .signature import MISS, Unsupported, describe, is_plain, out_key
+from .signature import MISS, Unsupported, is_plain, observe
 from .trie import new_root
 
 __all__ = ["AdaptiveEagerMode"]
@@ -129,18 +129,10 @@ class AdaptiveEagerMode(TorchDispatchMode):
             return self._run_cold(func, info, args, kwargs)
         ext_view = info.cls is OpClass.VIEW and type(S.source(tensors[0])) is not Val
         try:
-            ka, kk, ta, tk, new, recorded = describe(
-                args, kwargs, S.source, info.float_values_matter, record_ints=ext_view
-            )
+            op = observe(func, info, args, kwargs, tensors, S.source, ext_view)
         except Unsupported as u:
             return self._boundary_op(func, args, kwargs, u.args[0])
-        res = None
-        if ext_view:  # Note [External views]: keyed by what the view produces
-            res = func(*args, **kwargs)
-            key = (func, ka, kk, out_key(res))
-        else:
-            key = (func, ka, kk, torch.get_default_dtype() if not tensors else None)
-        child = node.children.get(key)
+        child = node.children.get(op.key)
         if child is not None and child.hot and (S.hot or node.depth == 0):
             node.hot_next = child
             r = child.fast(args, kwargs, S)
@@ -149,20 +141,21 @@ class AdaptiveEagerMode(TorchDispatchMode):
         if S.hot and self._diverge(func):  # the path is cut here: start a new segment
             return self._step(func, info, args, kwargs, tensors)
         if child is not None and child.blocked:
-            res = self._run_cold(func, info, args, kwargs) if res is None else res
+            res = self._run_cold(func, info, args, kwargs) if op.res is None else op.res
             self.end_segment("boundary op")
             self.counters.fallback(child.blocked)
             return res
         if S.n_ops == 0:
             S.t0 = time.perf_counter()
-        pre = learn.written_metas(func, info, args, kwargs) if child is None else None
-        if res is None:
-            res = self._run_cold(func, info, args, kwargs)
+        if child is None:
+            op.written = learn.written_metas(op)
+        if op.res is None:
+            op.res = self._run_cold(func, info, args, kwargs)
         else:
             self.counters.ops_views += 1
+        res = op.res
         if child is None:
-            child = self._learn(node, key, func, info, args, kwargs, ta, tk, new, recorded,
-                                res, pre, key[3] if not ext_view else None, ext_view)
+            child = self._learn(node, op)
             if child is None:
                 S.node = None
                 return res
@@ -174,10 +167,10 @@ class AdaptiveEagerMode(TorchDispatchMode):
             learn.block(child, "output metadata varies between runs", self)
             self.end_segment("boundary op")
             return res
-        for x in new:
+        for x in op.new:
             S.add_external(x)
         learn.register_outputs(S, child.spec, res)
-        S.floats.append(tuple(recorded))
+        S.floats.append(tuple(op.recorded))
         S.node = child
         child.visits += 1
         S.n_ops += 1
@@ -195,17 +188,15 @@ class AdaptiveEagerMode(TorchDispatchMode):
             self.counters.ops_eager += 1
         return res
 
-    def _learn(self, node, key, func, info, args, kwargs, ta, tk, new, floats, res, pre,
-               factory_dtype, ext_view):
+    def _learn(self, node, op):
         if self.n_nodes >= self.config.max_trie_nodes:
             self.counters.fallback("trie node budget exhausted: not learning")
             return None
         self.n_nodes += 1
-        child = learn.make_node(node, key, func, info, args, kwargs, ta, tk, new, floats,
-                                res, pre, factory_dtype, ext_view, _user_line())
-        node.children[key] = child
+        child = learn.make_node(node, op, _user_line())
+        node.children[op.key] = child
         if self.debug >= 3:
-            log.debug("trie: new node %s at depth %d (%s)", func, child.depth,
+            log.debug("trie: new node %s at depth %d (%s)", op.func, child.depth,
                       child.blocked or "deferrable")
         return child
 

@@ -35,13 +35,15 @@ floats. It accepts exactly the calls whose key ``describe`` would compute as the
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 
 import torch
 
 from adaptive_eager.scheduler.program import Ext, Rec, Meta, Out, Val, _minimal
 
-__all__ = ["Unsupported", "describe", "make_fast", "MISS", "PLAIN", "is_plain"]
+__all__ = ["Observed", "Unsupported", "observe", "describe", "make_fast", "MISS", "PLAIN",
+           "is_plain"]
 
 MISS = object()
 EMPTY: tuple = ()
@@ -76,6 +78,49 @@ def ext_key(t) -> tuple:
 def out_key(res) -> tuple:
     leaves = (res,) if isinstance(res, torch.Tensor) else tuple(res)
     return tuple((tuple(t.shape), t.stride(), t.dtype) for t in leaves)
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class Observed:
+    """One call as the cold path observed it: what it is, its signature and what it gave.
+
+    Made once per cold op by ``observe`` and carried through the tracer (the trie lookup,
+    the eager run, ``learn.make_node``) rather than a dozen loose values.
+    """
+
+    func: object  # the OpOverload
+    info: object  # its tracer.optable.OpInfo
+    args: tuple
+    kwargs: dict
+    tensors: list  # tensor arguments, flattened
+    ext_view: bool  # a view of an external input (Note [External views])
+    key: tuple  # the trie edge: (func, key args, key kwargs, output or dtype key)
+    t_args: tuple  # template: tensor leaves replaced by their source, Rec for recorded values
+    t_kwargs: dict
+    new: list  # tensors new to the segment, in order of first appearance
+    recorded: list  # values of the Rec leaves
+    res: object = None  # the eager result, once run
+    written: list | None = None  # (tensor, shape, stride) of out= arguments before the run
+
+    @property
+    def factory_dtype(self):
+        """The default dtype a factory (no tensor argument) was created under, else None."""
+        return None if self.ext_view else self.key[3]
+
+
+def observe(func, info, args, kwargs, tensors, source, ext_view: bool) -> Observed:
+    """Describe a call (raises ``Unsupported``). A view of an external input is keyed by what
+    it produces, so it runs here (views read no data: running one early changes nothing)."""
+    ka, kk, ta, tk, new, recorded = describe(
+        args, kwargs, source, info.float_values_matter, record_ints=ext_view
+    )
+    op = Observed(func, info, args, kwargs, tensors, ext_view, (), ta, tk, new, recorded)
+    if ext_view:
+        op.res = func(*args, **kwargs)
+        op.key = (func, ka, kk, out_key(op.res))
+    else:
+        op.key = (func, ka, kk, torch.get_default_dtype() if not tensors else None)
+    return op
 
 
 def describe(args, kwargs, source, floats_by_value: bool, record_ints: bool = False):
