@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from adaptive_eager.scheduler.compiler import CompileCache, Compiler
 from adaptive_eager.scheduler.queues import synchronize_all
 from adaptive_eager.scheduler.stats import snapshot
-from adaptive_eager.tracer.mode import AdaptiveEagerMode
+from adaptive_eager.tracer.mode import AdaptiveEagerMode, skip_rule_lookup
 
 from . import readguard
 from .config import Config
@@ -144,6 +144,7 @@ class Engine:
             from torch.optim.optimizer import register_optimizer_step_post_hook
 
             register_optimizer_step_post_hook(self._optimizer_step)
+            skip_rule_lookup()
             readguard.install(self)
             atexit.register(self._at_exit)
             self._hooked = True

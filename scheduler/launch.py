@@ -245,9 +245,10 @@ def _written_input_aliased(the_plan, exts) -> bool:
 
 
 def _run_exact(path: Path, seg, targets: dict) -> None:
+    run = path.exact_graph().run
     with torch._C._AutoDispatchBelowADInplaceOrView():
         try:
-            interpret(path.specs, seg.floats, seg.exts, targets)
+            run(seg.exts, seg.floats, targets)
         except OpFailed as f:
             raise attribute(f.error, path.specs[f.index]) from None
 

@@ -23,7 +23,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
-__all__ = ["Ext", "Val", "Rec", "Meta", "Out", "OpSpec", "OpFailed", "interpret", "alias_groups"]
+__all__ = ["Ext", "Val", "Rec", "Meta", "Out", "OpSpec", "OpFailed", "interpret", "straight_line",
+           "alias_groups"]
 
 
 class Ext:
@@ -201,6 +202,82 @@ def interpret(
             elif o.kind == "ext":
                 exts[o.arg] = leaf
     return env
+
+
+def straight_line(specs) -> Callable:
+    """``interpret`` specialized to one program, for launches that pass every external.
+
+    Returns ``run(exts, floats, targets)`` with ``interpret``'s meaning (ops of views of
+    externals are skipped: ``exts`` holds their outputs), generated as one Python function
+    with a line per op: no template walk, no per-argument dispatch on leaf types, and each op
+    called through its C++ entry point (``OpOverload._op``, what ``OpOverload.__call__``
+    calls). Measured on a tiny Llama training step (672 ops): the replay's host cost falls
+    by about a third. A failing op raises ``OpFailed`` with its index, found from the
+    traceback's line, so the happy path carries no bookkeeping.
+    """
+    consts: dict = {}
+    lines = ["def run(exts, floats, targets):", "    get = targets.get"]
+    line_op: dict = {}  # generated line number -> op index
+    n_val = 0
+
+    def const(value) -> str:
+        name = f"K{len(consts)}"
+        consts[name] = value
+        return name
+
+    def expr(x, n) -> str:
+        t = type(x)
+        if t is Val:
+            return f"v{x.i}"
+        if t is Ext:
+            return f"exts[{x.k}]"
+        if t is Rec:
+            return f"r{n}[{x.j}]"
+        if t is tuple:
+            return "(" + "".join(expr(y, n) + ", " for y in x) + ")"
+        if t is list:
+            return "[" + ", ".join(expr(y, n) for y in x) + "]"
+        if x is None or t is bool or t is int or t is float and x == x and abs(x) != float("inf"):
+            return repr(x)
+        return const(x)
+
+    for n, spec in enumerate(specs):
+        if spec.ext_view:
+            continue
+        call = ", ".join([expr(a, n) for a in spec.args]
+                         + [f"{k}={expr(v, n)}" for k, v in spec.kwargs.items()])
+        if spec.n_floats:
+            lines.append(f"    r{n} = floats[{n}]")
+        lines.append(f"    res = {const(spec.func._op)}({call})")
+        line_op[len(lines)] = n
+        leaves = ["res"] if spec.tree == "one" else [f"res[{j}]" for j in range(len(spec.outs))]
+        for o, leaf in zip(spec.outs, leaves):
+            if o.kind == "fresh":
+                lines.append(f"    v{n_val} = {leaf}; t = get({n_val})")
+                lines.append(f"    if t is not None: t.copy_(v{n_val}); v{n_val} = t")
+                n_val += 1
+            elif o.kind == "view":
+                lines.append(f"    v{n_val} = {leaf}")
+                n_val += 1
+    src = "\n".join(lines) + "\n"
+    filename = f"<adaptive_eager replay of {len(specs)} ops>"
+    ns = dict(consts)
+    exec(compile(src, filename, "exec"), ns)
+    body = ns["run"]
+
+    def run(exts, floats, targets):
+        try:
+            body(exts, floats, targets)
+        except Exception as e:
+            tb = e.__traceback__
+            while tb is not None and tb.tb_frame.f_code.co_filename != filename:
+                tb = tb.tb_next
+            if tb is None or tb.tb_lineno not in line_op:
+                raise
+            raise OpFailed(line_op[tb.tb_lineno], e) from e
+
+    run.source = src
+    return run
 
 
 def alias_groups(tensors) -> tuple:

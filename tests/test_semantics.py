@@ -298,7 +298,6 @@ def test_device_copy_is_a_boundary():
 
 def test_crosscheck_mismatch_raises_with_op_and_line(monkeypatch):
     from adaptive_eager.scheduler import launch
-    from adaptive_eager.scheduler.program import interpret
 
     x = torch.randn(8)
 
@@ -310,12 +309,13 @@ def test_crosscheck_mismatch_raises_with_op_and_line(monkeypatch):
         for _ in range(3):
             f().item()
 
-        def corrupt(specs, floats, exts, targets, **kw):
-            env = interpret(specs, floats, exts, targets, **kw)
+        replay = launch._run_exact
+
+        def corrupt(path, seg, targets):
+            replay(path, seg, targets)
             for t in targets.values():
                 t.add_(1)  # a replay that writes a wrong value
-            return env
 
-        monkeypatch.setattr(launch, "interpret", corrupt)
+        monkeypatch.setattr(launch, "_run_exact", corrupt)
         with pytest.raises(launch.CrosscheckError, match=f"test_semantics.py:{line}"):
             f().item()

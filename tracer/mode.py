@@ -316,6 +316,41 @@ def _dispatch(self, func, types, args=(), kwargs=None):
 AdaptiveEagerMode.__torch_dispatch__ = _dispatch
 
 
+# Note [Dispatch rule lookup]: before calling a mode's ``__torch_dispatch__`` the dispatcher
+# asks ``torch._library.simple_registry.find_torch_dispatch_rule(op, type(mode))`` whether a
+# rule was registered for that (op, mode class) pair with ``torch.library.
+# register_torch_dispatch``. It is a Python function (two dict lookups and a string
+# attribute): ~1 us on every op, about a fifth of the whole interception floor. The C++ side
+# keeps a reference to that function object, so rebinding the module attribute would not be
+# seen; instead its code is replaced, once, by code that answers None for this engine's mode
+# at once and calls the original code for every other class. Consequence, stated: rules
+# registered for ``AdaptiveEagerMode`` itself are not consulted (the engine registers none).
+
+
+def skip_rule_lookup() -> None:
+    """Install Note [Dispatch rule lookup] (idempotent)."""
+    import types
+
+    from torch._library import simple_registry as registry
+
+    fn = registry.find_torch_dispatch_rule
+    if getattr(registry, "_adaptive_eager_mode", None) is AdaptiveEagerMode:
+        return
+    registry._adaptive_eager_original = types.FunctionType(
+        fn.__code__, registry.__dict__, fn.__name__, fn.__defaults__, fn.__closure__
+    )
+    registry._adaptive_eager_mode = AdaptiveEagerMode
+    src = (
+        "def find_torch_dispatch_rule(op, torch_dispatch_class):\n"
+        "    if torch_dispatch_class is _adaptive_eager_mode:\n"
+        "        return None\n"
+        "    return _adaptive_eager_original(op, torch_dispatch_class)\n"
+    )
+    ns: dict = {}
+    exec(compile(src, registry.__file__, "exec"), registry.__dict__, ns)
+    fn.__code__ = ns["find_torch_dispatch_rule"].__code__
+
+
 def _crosses_devices(tensors, kwargs) -> bool:
     """Does the op move data between devices (``.to(other)``, ``copy_`` across devices)?"""
     # 0-dim CPU tensors take part in ops on any device (wrapped scalars): not a copy.

@@ -286,7 +286,7 @@ def make_fast(node, n_ext_before: int):
         leaf(f"k.get({name!r}, MISS)", t)
     _flush_checks()
     if spec.ext_view:
-        g.emit(f"r = {g.const(spec.func)}(*a, **k)")
+        g.emit(f"r = {g.const(spec.func._op)}(*a, **k)")  # OpOverload.__call__'s own call
         outs = [o for o in spec.outs if o.kind == "ext"]
         if spec.tree == "one":
             g.emit("leaves = (r,)")
@@ -314,10 +314,12 @@ def make_fast(node, n_ext_before: int):
         g.emit("ids[id(t)] = ~len(exts); exts.append(t); S.extw.append(wref(t))", 2)
         result = "r"
     elif spec.view:
-        g.emit(f"r = {g.const(spec.func)}(*a, **k)")
-        leaves = "(r,)" if spec.tree == "one" else "r"
-        g.emit(f"for t in {leaves}:")
-        g.emit("ids[id(t)] = len(outw); outw.append(wref(t)); S.stor.append(None)", 2)
+        g.emit(f"r = {g.const(spec.func._op)}(*a, **k)")
+        if spec.tree == "one":
+            g.emit("ids[id(r)] = len(outw); outw.append(wref(r)); S.stor.append(None)")
+        else:
+            g.emit("for t in r:")
+            g.emit("ids[id(t)] = len(outw); outw.append(wref(t)); S.stor.append(None)", 2)
         result = "r"
     else:
         for o in spec.outs:
