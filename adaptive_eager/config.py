@@ -66,6 +66,10 @@ VARIABLES: tuple[Var, ...] = (
     Var("NEURON_ADAPTIVE_EAGER_DIVERGENCE_LIMIT", "divergence_limit", "int", 3,
         "Divergences from a hot path at one op after which segments always end there "
         "(the path is cut: one extra launch instead of a cold run each time).", minimum=1),
+    Var("NEURON_ADAPTIVE_EAGER_SUSPEND_RATIO", "suspend_ratio", "float", 1.05,
+        "The engine times optimizer steps with and without itself; when its steps take "
+        "more than this multiple of eager's it steps aside (plain eager) for a while, "
+        "counted; 0 disables the check.", minimum=0.0),
     Var("NEURON_ADAPTIVE_EAGER_RETIRE_RATIO", "retire_ratio", "float", 1.10,
         "A fused graph whose measured step time exceeds this multiple of the eager "
         "step it replaces is retired; 0 disables the check.", minimum=0.0),
@@ -92,6 +96,7 @@ class Config:
     max_trie_nodes: int = 200000
     retire_ratio: float = 1.10
     divergence_limit: int = 3
+    suspend_ratio: float = 1.05
 
     def backend_for(self, device_type: str) -> str:
         """Backend used for segments on ``device_type``."""

@@ -24,6 +24,7 @@ from adaptive_eager.tracer.mode import AdaptiveEagerMode, skip_rule_lookup
 
 from . import readguard
 from .config import Config
+from .governor import Governor
 
 __all__ = ["ENGINE"]
 
@@ -59,10 +60,13 @@ class Engine:
         m = getattr(self.local, "mode", None)
         if m is None:
             m = self.local.mode = AdaptiveEagerMode(self, config)
+            m.governor = Governor()
             with self._lock:
                 self.counters.append(m.counters)
                 self.modes.add(m)
         if getattr(self.local, "active", False):
+            if not m.governor.release(m):  # aside on a changed stack: enter afresh
+                m.__enter__()
             m.boundary("enable")
             if (config.backend, config.devices) != (m.config.backend, m.config.devices):
                 m.reset_state()
@@ -77,6 +81,10 @@ class Engine:
     def disable(self) -> None:
         m = self.mode()
         if m is None:
+            return
+        if not m.governor.release(m):  # stepped aside (Note [Stepping aside]): not on the stack
+            m.boundary("disable")
+            self.local.active = False
             return
         stack = _get_current_dispatch_mode_stack()
         if stack and stack[-1] is not m:
@@ -152,7 +160,9 @@ class Engine:
     def _optimizer_step(self, optimizer, args, kwargs) -> None:
         m = self.mode()
         if m is not None and not m.paused:
-            m.boundary("optimizer step")
+            if not m.governor.off:
+                m.boundary("optimizer step")
+            m.governor.step(m, self.compiler.pending() > 0)
 
     def _at_exit(self) -> None:
         try:

@@ -11,7 +11,7 @@ __all__ = ["Counters", "Stats", "snapshot"]
 
 _FIELDS = (
     "ops_deferred", "ops_eager", "ops_views", "ops_host", "ops_passthrough",
-    "replays", "graphs_compiled", "cache_hits", "cache_misses", "segments",
+    "replays", "graphs_compiled", "cache_hits", "cache_misses", "segments", "steps_suspended",
 )
 
 
@@ -52,6 +52,7 @@ class Stats:
     cache_hits: int = 0
     cache_misses: int = 0
     segments: int = 0
+    steps_suspended: int = 0  # optimizer steps run in plain eager, the engine aside
     compile_seconds: float = 0.0
     fallbacks: dict = dataclasses.field(default_factory=dict)
     boundaries: dict = dataclasses.field(default_factory=dict)
@@ -70,6 +71,7 @@ class Stats:
             ("  compile time in background (s)", f"{self.compile_seconds:.2f}"),
             ("cache hits / misses", f"{self.cache_hits} / {self.cache_misses}"),
             ("segments", self.segments),
+            ("steps with the engine aside (slower)", self.steps_suspended),
         ]
         width = max(len(r[0]) for r in rows)
         lines = ["adaptive_eager stats"] + [f"  {k:<{width}}  {v}" for k, v in rows]

@@ -11,6 +11,9 @@ os.environ.setdefault(
 )
 for _name in [n for n in os.environ if n.startswith("NEURON_ADAPTIVE_EAGER")]:
     del os.environ[_name]  # tests configure the engine explicitly
+# The step governor decides from wall-clock timings (Note [Stepping aside]): off in tests that
+# count launches; tests/test_governor.py turns it on with ratios that fix its decision.
+os.environ["NEURON_ADAPTIVE_EAGER_SUSPEND_RATIO"] = "0"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -5,7 +5,8 @@ import pytest
 from adaptive_eager.config import VARIABLES, Config, ConfigError, from_env, resolve
 
 
-def test_defaults():
+def test_defaults(monkeypatch):
+    monkeypatch.delenv("NEURON_ADAPTIVE_EAGER_SUSPEND_RATIO")  # conftest turns it off
     c = resolve()
     assert c == Config()
     assert c.devices == ("neuron",)

@@ -1,0 +1,143 @@
+"""The step governor: the engine stays on a training loop only while it is not slower.
+
+Note [Stepping aside]: every intercepted op pays the dispatcher's trip into Python (DESIGN
+§11), whatever the engine then saves. Where launches are cheap -- small models on the CPU --
+that trip alone can cost more than the op it replaces, and a hot path replayed in one launch
+still makes the step slower than eager. The engine cannot see this from inside: its own cold
+runs are slower than eager too. So it measures what the user would feel, per optimizer step:
+
+    measure   the engine on, the trie settled (no new node, no compile pending, nothing
+              diverged): time ``window`` steps;
+    probe     the mode off the dispatch stack -- plain eager, nothing intercepted -- for
+              ``window`` steps, timed the same way;
+    decide    engine median > ``suspend_ratio`` x eager median: *suspended* (plain eager)
+              for ``backoff`` steps, counted with both figures as a fallback, the back-off
+              growing x4 each time up to 4096 steps; else *kept* and probed again after
+              1,000 steps, as the program may change.
+
+Steps are the intervals between the optimizer-step hook's calls on this thread, so loops
+without an optimizer are not governed (stated limit). While suspended the engine keeps its
+trie and caches and intercepts nothing: ``stats()`` counts those steps in
+``steps_suspended``, not their ops. It only steps aside when its mode is the innermost
+dispatch mode (another mode pushed above it cannot be slipped out from under). Cost: one
+``perf_counter`` and a few comparisons per optimizer step.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+__all__ = ["Governor"]
+
+log = logging.getLogger("adaptive_eager")
+
+MEASURE, PROBE, SUSPENDED, KEPT = "measure", "probe", "suspended", "kept"
+WINDOW = 5  # steps timed per side
+FIRST_BACKOFF, MAX_BACKOFF, RECHECK = 16, 4096, 1000
+
+
+class Governor:
+    """One per thread's mode; driven by the optimizer-step hook (``step``)."""
+
+    def __init__(self):
+        self.state = MEASURE
+        self.last = None  # perf_counter at the previous step
+        self.nodes = -1  # trie size at the previous step
+        self.diverged = 0
+        self.engine_times: list = []
+        self.eager_times: list = []
+        self.left = 0  # steps left in SUSPENDED / KEPT
+        self.backoff = FIRST_BACKOFF
+        self.off = False  # is the mode stepped aside (popped) right now
+        self.depth = 0  # dispatch stack depth when it stepped aside
+
+    def step(self, mode, compiling: bool) -> None:
+        ratio = mode.config.suspend_ratio
+        if ratio <= 0:
+            return
+        now = time.perf_counter()
+        dt = None if self.last is None else now - self.last
+        self.last = now
+        if self.state == MEASURE:
+            c = mode.counters
+            diverged = c.fallbacks.get("diverged from the hot path", 0)
+            settled = (mode.n_nodes == self.nodes and diverged == self.diverged
+                       and not compiling and not mode.inbox)
+            self.nodes, self.diverged = mode.n_nodes, diverged
+            if not settled or dt is None:
+                self.engine_times.clear()
+                return
+            self.engine_times.append(dt)
+            if len(self.engine_times) >= WINDOW and self._aside(mode):
+                self.state, self.eager_times = PROBE, []
+                self.last = time.perf_counter()  # the probe starts now, without the mode
+        elif self.state == PROBE:
+            self.eager_times.append(dt)
+            if len(self.eager_times) >= WINDOW:
+                self._decide(mode, ratio)
+        elif self.state == SUSPENDED:
+            mode.counters.steps_suspended += 1
+            self.left -= 1
+            if self.left <= 0:
+                self._remeasure(mode)
+        elif self.state == KEPT:
+            self.left -= 1
+            if self.left <= 0:
+                self._remeasure(mode)
+
+    def _decide(self, mode, ratio: float) -> None:
+        engine = statistics.median(self.engine_times)
+        eager = statistics.median(self.eager_times)
+        if engine > ratio * eager:
+            reason = (f"engine slower than eager on this loop ({engine * 1e3:.2f} ms vs "
+                      f"{eager * 1e3:.2f} ms per optimizer step, limit {ratio}x): "
+                      f"stepped aside for {self.backoff} steps")
+            mode.counters.fallback(reason)
+            if mode.debug >= 1:
+                log.info("%s", reason)
+            self.state, self.left = SUSPENDED, self.backoff
+            self.backoff = min(self.backoff * 4, MAX_BACKOFF)
+            return  # still aside
+        if self._back(mode):
+            self.state, self.left = KEPT, RECHECK
+            self.backoff = FIRST_BACKOFF
+        else:  # cannot return yet: treat as a short suspension
+            self.state, self.left = SUSPENDED, 1
+
+    def _remeasure(self, mode) -> None:
+        if self._back(mode):
+            self.state = MEASURE
+            self.engine_times, self.nodes = [], -1
+
+    def _aside(self, mode) -> bool:
+        stack = _get_current_dispatch_mode_stack()
+        if not stack or stack[-1] is not mode:
+            self.engine_times.clear()
+            return False
+        mode.boundary("engine steps aside")
+        mode.__exit__(None, None, None)
+        self.off = True
+        self.depth = len(stack) - 1
+        return True
+
+    def _back(self, mode) -> bool:
+        """Push the mode again if it is aside; only onto the stack it left (another mode
+        pushed meanwhile would otherwise pop the engine's mode at its own exit)."""
+        if not self.off:
+            return True
+        if len(_get_current_dispatch_mode_stack()) != self.depth:
+            return False
+        mode.__enter__()
+        self.off = False
+        return True
+
+    def release(self, mode) -> bool:
+        """Disabling or reconfiguring: forget the measurements; True if the mode is on the
+        dispatch stack again (False: it stays aside, the stack having changed meanwhile)."""
+        back = self._back(mode)
+        self.__init__()
+        return back

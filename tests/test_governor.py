@@ -1,0 +1,108 @@
+"""adaptive_eager.governor: the engine steps aside on loops it makes slower (Note [Stepping aside])."""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import adaptive_eager as ae
+from adaptive_eager.governor import FIRST_BACKOFF, WINDOW
+from conftest import Delta
+
+CPU = dict(devices=("cpu",), backend="exact")
+
+
+def loop(steps, engine=None):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = torch.randn(5, 8), torch.randint(0, 4, (5,))
+    losses = []
+
+    def step():
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+
+    if engine is None:
+        for _ in range(steps):
+            step()
+    else:
+        with ae.enabled(**engine):
+            for _ in range(steps):
+                step()
+    return losses
+
+
+def test_steps_aside_when_slower_and_comes_back(monkeypatch):
+    # A ratio no engine can meet: the governor measures, probes eager, and steps aside.
+    monkeypatch.setenv("NEURON_ADAPTIVE_EAGER_SUSPEND_RATIO", "1e-9")
+    n = 4 + 2 * WINDOW + FIRST_BACKOFF + 6
+    ref = loop(n)
+    got = loop(n, CPU)
+    assert got == ref  # the user cannot tell, but for speed
+    s = ae.stats()
+    aside = [r for r in s.fallbacks if r.startswith("engine slower than eager on this loop")]
+    assert len(aside) == 1 and f"stepped aside for {FIRST_BACKOFF} steps" in aside[0]
+    assert s.steps_suspended == FIRST_BACKOFF
+    # back after the back-off: measured again (5 settled steps), then aside for a new probe
+    assert s.boundaries.get("engine steps aside") == 2
+    assert not ae.is_enabled()
+
+
+def test_ops_are_not_intercepted_while_aside(monkeypatch):
+    monkeypatch.setenv("NEURON_ADAPTIVE_EAGER_SUSPEND_RATIO", "1e-9")
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(3, 8)
+    with ae.enabled(**CPU):
+        for _ in range(4 + 2 * WINDOW + 1):
+            model(x).sum().backward()
+            opt.step()
+        d = Delta()
+        model(x).sum().backward()
+        opt.step()
+        assert d.ops_intercepted == 0 and d.steps_suspended == 1
+        assert ae.is_enabled()
+    assert not torch.utils._python_dispatch._get_current_dispatch_mode_stack()
+
+
+def test_kept_when_not_slower(monkeypatch):
+    monkeypatch.setenv("NEURON_ADAPTIVE_EAGER_SUSPEND_RATIO", "1e9")
+    n = 4 + 2 * WINDOW + 10
+    got = loop(n, CPU)
+    assert got == loop(n)
+    s = ae.stats()
+    assert s.steps_suspended == 0 and s.boundaries.get("engine steps aside") == 1  # the probe
+    assert not [r for r in s.fallbacks if r.startswith("engine slower")]
+
+
+def test_never_slips_out_from_under_another_mode(monkeypatch):
+    monkeypatch.setenv("NEURON_ADAPTIVE_EAGER_SUSPEND_RATIO", "1e-9")
+
+    class Outer(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(3, 8)
+    with ae.enabled(**CPU):
+        with Outer():
+            for _ in range(4 + 3 * WINDOW):
+                model(x).sum().backward()
+                opt.step()
+        assert ae.stats().boundaries.get("engine steps aside") is None
+    assert not torch.utils._python_dispatch._get_current_dispatch_mode_stack()
+
+
+def test_disable_while_aside_leaves_a_clean_stack(monkeypatch):
+    monkeypatch.setenv("NEURON_ADAPTIVE_EAGER_SUSPEND_RATIO", "1e-9")
+    loop(4 + 2 * WINDOW + 2, CPU)  # exits the ``enabled`` block while stepped aside
+    assert ae.stats().steps_suspended >= 1
+    assert not torch.utils._python_dispatch._get_current_dispatch_mode_stack()
+    assert loop(3, CPU) == loop(3)  # and the engine works again
