@@ -60,3 +60,25 @@ def test_a_path_that_keeps_diverging_is_cut_and_goes_hot_in_pieces():
     # each common step: prefix + remainder (+ the .item()); no op runs cold.
     assert d.replays >= 2 * 10
     assert d.ops_eager <= 15 + 5 * 4  # the reads, plus the odd steps' branch ops
+
+
+def test_a_cold_segment_does_not_jump_onto_a_hot_path_midway():
+    # The hot path starts at a segment's first op only. A segment that began cold and later
+    # meets an op looking like some hot path's first op (here ``x2 * 2.0``, like ``x * 2.0``)
+    # must stay cold: found in Hugging Face's ``generate`` with a static cache.
+    x, x2 = torch.randn(4), torch.randn(4)
+
+    def hot():
+        return (x * 2.0).sum().item()
+
+    def other():
+        y = x + 1
+        w = x2 * 2.0
+        return (y + w).sum().item()
+
+    ref = [hot(), other(), other(), hot()]
+    with ae.enabled(**CPU):
+        for _ in range(3):
+            hot()
+        got = [hot(), other(), other(), hot()]
+    assert got == ref

@@ -157,7 +157,7 @@ class AdaptiveEagerMode(TorchDispatchMode):
         if child is None:
             child = self._learn(node, op)
             if child is None:
-                S.node = None
+                S.node = S.expect = None
                 return res
             if child.blocked:
                 self.end_segment("boundary op")
@@ -172,6 +172,7 @@ class AdaptiveEagerMode(TorchDispatchMode):
         learn.register_outputs(S, child.spec, res)
         S.floats.append(tuple(op.recorded))
         S.node = child
+        S.expect = None  # a hot path starts at a segment's first op only
         child.visits += 1
         S.n_ops += 1
         if child.cut:
