@@ -36,8 +36,9 @@ def _model(name: str, s: dict):
         return tf.MistralForCausalLM(tf.MistralConfig(**dec))
     if name == "qwen2moe":
         return tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(
-            **dec, moe_intermediate_size=s["inter"] // 2,
-            shared_expert_intermediate_size=s["inter"] // 2, num_experts=4,
+            # expert widths a multiple of 8: grouped_mm wants 16-byte aligned strides
+            **dec, moe_intermediate_size=s["inter"] // 16 * 8,
+            shared_expert_intermediate_size=s["inter"] // 16 * 8, num_experts=4,
             num_experts_per_tok=2))
     if name == "gpt2":
         return tf.GPT2LMHeadModel(tf.GPT2Config(

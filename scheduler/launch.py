@@ -73,7 +73,10 @@ class Path:
         self.variants: dict = {}  # variant -> GraphKey (requested or compiled)
         self.pending: set = set()  # variants requested and not delivered yet
         self.last_fused = False  # did the latest launch run the fused graph?
-        self.fused_error = ""  # why the fused graph could not be built: replays stay exact
+        self.fused_off = ""  # why this path has no fused graph (replays stay exact), else ""
+        # Paths that differ only in shapes (a decode step at each length) form a family;
+        # its compiles share the variant budget (Note [Shape families] in tracer.learn).
+        self.family = hash(tuple(s.func for s in self.specs))
         self.plans: dict = {}  # frozenset of dynamic float positions -> Plan
         self.reference = None  # floats of the first recorded run (Note [Float variants])
         self.dynamic: frozenset = frozenset()  # float positions seen to change
@@ -197,8 +200,8 @@ def run(path: Path, seg, ctx, counters) -> None:
 
 
 def _fused_graph(path: Path, seg, live: tuple, ctx, counters):
-    if path.fused_error:
-        counters.fallback("no fused graph (its compile failed): replayed exactly")
+    if path.fused_off:
+        counters.fallback(f"no fused graph ({path.fused_off}): replayed exactly")
         return None
     variant = path.variant(live, seg.floats)
     key = path.variants.get(variant)

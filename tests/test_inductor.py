@@ -214,3 +214,29 @@ def test_failed_compile_keeps_the_path_hot_as_an_exact_replay(monkeypatch):
         assert d.fallbacks == {"no fused graph (its compile failed): replayed exactly": 3}
     assert got == [ref] * 3  # exact replay: bitwise
     assert ae.stats().fallbacks["compile failed: RuntimeError: lowering not supported"] == 1
+
+
+def test_shape_variants_of_one_path_share_the_compile_budget(monkeypatch):
+    # A decode step with a cache growing by one row per step: the same ops at a new shape
+    # each step, so a new path each step. Past the variant budget the family's new members
+    # replay exactly instead of compiling.
+    monkeypatch.setenv("NEURON_ADAPTIVE_EAGER_VARIANTS", "2")
+    w = torch.randn(8)
+
+    def decode(n):
+        cache = torch.ones(n, 8)
+        return (cache * w + 1.0).sum().item()
+
+    lengths = range(2, 7)
+    ref = [decode(n) for n in lengths]
+    with ae.enabled(**IND):
+        for _ in range(3):
+            got = [decode(n) for n in lengths]
+        wait_compiles()
+        got = [decode(n) for n in lengths]
+        s = ae.stats()
+    assert got == pytest.approx(ref, rel=1e-5)
+    assert s.graphs_compiled == 2
+    over = [r for r in s.fallbacks if r.startswith("shape variants of one path over")]
+    assert len(over) == 1 and s.fallbacks[over[0]] == 3 and "test_inductor.py" in over[0]
+    assert s.fallbacks["no fused graph (shape variants over budget): replayed exactly"] >= 3

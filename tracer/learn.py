@@ -26,6 +26,12 @@ retire. So a path that keeps diverging costs one extra launch, counted with its 
 op, the node and both user lines), instead of a flush and a cold run every step; cuts are
 never undone, so the trie stops growing there. A rare branch is not cut: it turns hot after
 ``hot_threshold`` runs and no longer diverges.
+
+Note [Shape families]: a path's signature holds its shapes, so a decode step with a cache
+that grows by one token each step is a new path at every length, each with its own compile.
+Paths with the same ops in the same order whatever their shapes form a *family*; a family's
+fused compiles share the variant budget (``NEURON_ADAPTIVE_EAGER_VARIANTS``). Past it a new
+member goes hot as an exact replay (one launch, no compile), counted with its first line.
 """
 
 from __future__ import annotations
@@ -262,6 +268,14 @@ def _warm(mode, node: Node, path: Path) -> None:
     live = tuple(i for i in path.fresh if S.alive(i))
     path.state = WARM
     mark_hot(node)  # Note [Warm paths replay exactly]
+    compiled = mode.families.get(path.family, 0)
+    if compiled >= mode.config.variant_budget:  # Note [Shape families]
+        path.fused_off = "shape variants over budget"
+        path.state = HOT
+        mode.counters.fallback("shape variants of one path over the variant budget: "
+                               f"replayed exactly ({path.specs[0].line})")
+        return
+    mode.families[path.family] = compiled + 1
     request(mode, path, path.variant(live, S.floats))
 
 
@@ -289,10 +303,11 @@ def install(mode) -> None:
             # The path stays deferred as one exact replay per segment: a graph the backend
             # cannot build must not send a hot loop back to running cold.
             first = (str(error).splitlines() or [""])[0][:160]
-            path.fused_error = f"compile failed: {type(error).__name__}: {first}"
-            c.fallback(path.fused_error)
+            reason = f"compile failed: {type(error).__name__}: {first}"
+            path.fused_off = "its compile failed"
+            c.fallback(reason)
             if mode.debug >= 1:
-                log.warning("graph%d %s; replaying exactly", path.gid, path.fused_error)
+                log.warning("graph%d %s; replaying exactly", path.gid, reason)
             if path.state == WARM:
                 path.state = HOT
             continue

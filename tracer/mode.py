@@ -63,6 +63,7 @@ class AdaptiveEagerMode(TorchDispatchMode):
         self.root = new_root()
         self.seg = Segment(self, self.root)
         self.n_nodes = 0
+        self.families: dict = {}  # Note [Shape families] (tracer.learn): compiles per family
         self.paused = 0
         self.generation = 0  # bumped by reset_state: deliveries for older tries are dropped
         self.configure(config)
@@ -294,6 +295,7 @@ class AdaptiveEagerMode(TorchDispatchMode):
         self.root = new_root()
         self.seg = Segment(self, self.root)
         self.n_nodes = 0
+        self.families = {}
         self.generation += 1
         self.counters.__init__()
         self.inbox.clear()
