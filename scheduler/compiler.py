@@ -117,6 +117,23 @@ def _guard_user_rng() -> None:
 _THREAD_NAME = "adaptive_eager-compiler"
 
 
+class _FromCompilerThread(logging.Filter):
+    """Note [Quiet failed traces]: when an op has no meta kernel for the dtypes it ran with
+    (``_grouped_mm`` in float32 on the CPU), ``FakeTensorMode`` logs the whole traceback at
+    ERROR before raising. On the compiler thread that failure is expected and handled: the
+    path keeps its exact replay and the reason is counted (``compile failed: ...``), so the
+    log record is dropped there; other threads' records pass untouched."""
+
+    def filter(self, record) -> bool:
+        return threading.current_thread().name != _THREAD_NAME
+
+
+def _quiet_failed_traces() -> None:
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    if not any(isinstance(f, _FromCompilerThread) for f in logger.filters):
+        logger.addFilter(_FromCompilerThread())
+
+
 class Job:
     __slots__ = ("key", "build", "waiters", "submitted")
 
@@ -160,6 +177,7 @@ class Compiler:
 
     def _loop(self):
         _guard_user_rng()
+        _quiet_failed_traces()
         while True:
             generation, job = self._queue.get()
             if job is None:

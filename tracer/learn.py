@@ -41,7 +41,7 @@ import logging
 import torch
 
 from adaptive_eager.scheduler.launch import COLD, HOT, RETIRED, WARM, Path
-from adaptive_eager.scheduler.program import Ext, Meta, OpSpec, Out, Val
+from adaptive_eager.scheduler.program import Ext, Meta, OpFailed, OpSpec, Out, Val
 
 from .optable import OpClass
 from .signature import Unsupported, is_plain, out_specs, resolve_new, tree_of
@@ -302,8 +302,12 @@ def install(mode) -> None:
         if error is not None:
             # The path stays deferred as one exact replay per segment: a graph the backend
             # cannot build must not send a hot loop back to running cold.
+            where = ""
+            if isinstance(error, OpFailed):  # tracing the program failed at one of its ops
+                where = f" at {path.specs[error.index].describe()}"
+                error = error.error
             first = (str(error).splitlines() or [""])[0][:160]
-            reason = f"compile failed: {type(error).__name__}: {first}"
+            reason = f"compile failed{where}: {type(error).__name__}: {first}"
             path.fused_off = "its compile failed"
             c.fallback(reason)
             if mode.debug >= 1:
