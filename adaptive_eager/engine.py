@@ -162,7 +162,7 @@ class Engine:
         if m is not None and not m.paused:
             if not m.governor.off:
                 m.boundary("optimizer step")
-            m.governor.step(m, self.compiler.pending() > 0)
+            m.governor.optimizer_step(m, self.compiler.pending() > 0)
 
     def _at_exit(self) -> None:
         try:

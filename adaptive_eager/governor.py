@@ -15,12 +15,19 @@ runs are slower than eager too. So it measures what the user would feel, per opt
               growing x4 each time up to 4096 steps; else *kept* and probed again after
               1,000 steps, as the program may change.
 
-Steps are the intervals between the optimizer-step hook's calls on this thread, so loops
-without an optimizer are not governed (stated limit). While suspended the engine keeps its
-trie and caches and intercepts nothing: ``stats()`` counts those steps in
-``steps_suspended``, not their ops. It only steps aside when its mode is the innermost
-dispatch mode (another mode pushed above it cannot be slipped out from under). Cost: one
-``perf_counter`` and a few comparisons per optimizer step.
+What is a step: the interval between two optimizer steps on this thread (the optimizer-step
+hook, called with or without the mode on the stack) once one has been seen; before that, and
+in loops without an optimizer (``generate``, inference), every ``READS_PER_STEP`` host reads
+(``.item()``, ``bool(t)``: a decode loop reads once per token), counted by wrappers on those
+``torch.Tensor`` methods that also work while the mode is aside. A read-clocked step is
+measured even while the trie still grows: a program that never settles runs cold, and cold
+is never faster than eager.
+
+While suspended the engine keeps its trie and caches and intercepts nothing: ``stats()``
+counts those steps in ``steps_suspended``, not their ops. It only steps aside when its mode
+is the innermost dispatch mode (another mode pushed above it cannot be slipped out from
+under). Cost: one ``perf_counter`` and a few comparisons per step; a read costs one
+thread-local lookup and a counter more.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ log = logging.getLogger("adaptive_eager")
 
 MEASURE, PROBE, SUSPENDED, KEPT = "measure", "probe", "suspended", "kept"
 WINDOW = 5  # steps timed per side
+READS_PER_STEP = 8  # host reads that make one step when no optimizer steps
 FIRST_BACKOFF, MAX_BACKOFF, RECHECK = 16, 4096, 1000
 
 
@@ -54,8 +62,24 @@ class Governor:
         self.backoff = FIRST_BACKOFF
         self.off = False  # is the mode stepped aside (popped) right now
         self.depth = 0  # dispatch stack depth when it stepped aside
+        self.by_optimizer = False  # steps are optimizer steps (else groups of host reads)
+        self.reads = 0
 
-    def step(self, mode, compiling: bool) -> None:
+    def optimizer_step(self, mode, compiling: bool) -> None:
+        self.by_optimizer = True
+        self._step(mode, compiling)
+
+    def read(self, mode) -> None:
+        """A host read on this thread (``item``, ``__bool__``): the clock of loops without an
+        optimizer."""
+        if self.by_optimizer or mode.paused:
+            return
+        self.reads += 1
+        if self.reads >= READS_PER_STEP:
+            self.reads = 0
+            self._step(mode, mode.engine.compiler.pending() > 0)
+
+    def _step(self, mode, compiling: bool) -> None:
         ratio = mode.config.suspend_ratio
         if ratio <= 0:
             return
@@ -65,8 +89,8 @@ class Governor:
         if self.state == MEASURE:
             c = mode.counters
             diverged = c.fallbacks.get("diverged from the hot path", 0)
-            settled = (mode.n_nodes == self.nodes and diverged == self.diverged
-                       and not compiling and not mode.inbox)
+            settled = (not compiling and not mode.inbox and (not self.by_optimizer or (
+                mode.n_nodes == self.nodes and diverged == self.diverged)))
             self.nodes, self.diverged = mode.n_nodes, diverged
             if not settled or dt is None:
                 self.engine_times.clear()

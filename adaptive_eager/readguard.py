@@ -29,14 +29,33 @@ GUARDED = ("tolist", "numpy", "__array__", "data_ptr", "__repr__", "__reduce_ex_
 _ORIGINAL: dict = {}
 
 
+# Reads the dispatch mode does see (``_local_scalar_dense``), wrapped only to tell the step
+# governor (adaptive_eager.governor) a host read happened, which it must hear even while the
+# mode is off the stack.
+COUNTED = ("item", "__bool__")
+
+
 def install(engine) -> None:
-    """Wrap the guarded methods of ``torch.Tensor`` (once per process)."""
-    for name in GUARDED:
+    """Wrap the guarded and counted methods of ``torch.Tensor`` (once per process)."""
+    for name in GUARDED + COUNTED:
         if name in _ORIGINAL:
             continue
         original = getattr(torch.Tensor, name)
         _ORIGINAL[name] = original
-        setattr(torch.Tensor, name, _guard(engine, name, original))
+        wrap = _guard if name in GUARDED else _count
+        setattr(torch.Tensor, name, wrap(engine, name, original))
+
+
+def _count(engine, name, original):
+    @functools.wraps(original)
+    def counted(self, *args, **kwargs):
+        m = engine.mode()
+        if m is not None:
+            m.governor.read(m)
+        return original(self, *args, **kwargs)
+
+    counted.__adaptive_eager_guard__ = True
+    return counted
 
 
 def original(name: str):

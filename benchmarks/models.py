@@ -129,28 +129,32 @@ def generate(args):
         if cache == "static":
             kw["cache_implementation"] = "static"
         ref = model.generate(ids, **kw)
-        times = {"eager": [], "exact": []}
-        for _ in range(3):
-            model.generate(ids, **kw)
-        for _ in range(5):
-            t = time.perf_counter()
-            model.generate(ids, **kw)
-            times["eager"].append(time.perf_counter() - t)
-        ae.reset()
-        same = True
-        with ae.enabled(devices=("cpu",), backend="exact"):
-            for _ in range(4):
-                same &= torch.equal(model.generate(ids, **kw), ref)
-            s0 = ae.stats()
-            for _ in range(5):
+        for governor in (False, True):
+            os.environ["NEURON_ADAPTIVE_EAGER_SUSPEND_RATIO"] = "1.05" if governor else "0"
+            times = {"eager": [], "engine": []}
+            for _ in range(3):
+                model.generate(ids, **kw)
+            for _ in range(10):
                 t = time.perf_counter()
-                same &= torch.equal(model.generate(ids, **kw), ref)
-                times["exact"].append(time.perf_counter() - t)
-            s1 = ae.stats()
-        e, x = statistics.median(times["eager"]), statistics.median(times["exact"])
-        print(f"generate 16 tokens, {cache} cache: same tokens {same}; eager {e * 1e3:.1f} ms, "
-              f"engine (exact) {x * 1e3:.1f} ms ({x / e:.2f}x); launches per call "
-              f"{(s1.launches - s0.launches) / 5:.0f}, replays {(s1.replays - s0.replays) / 5:.0f}")
+                model.generate(ids, **kw)
+                times["eager"].append(time.perf_counter() - t)
+            ae.reset()
+            same = True
+            with ae.enabled(devices=("cpu",), backend="exact"):
+                for _ in range(10):
+                    same &= torch.equal(model.generate(ids, **kw), ref)
+                s0 = ae.stats()
+                for _ in range(10):
+                    t = time.perf_counter()
+                    same &= torch.equal(model.generate(ids, **kw), ref)
+                    times["engine"].append(time.perf_counter() - t)
+                s1 = ae.stats()
+            e, x = statistics.median(times["eager"]), statistics.median(times["engine"])
+            print(f"generate 16 tokens, {cache} cache, governor {'on ' if governor else 'off'}: "
+                  f"same tokens {same}; eager {e * 1e3:.1f} ms, engine (exact) {x * 1e3:.1f} ms "
+                  f"({x / e:.2f}x); per call: launches {(s1.launches - s0.launches) / 10:.0f}, "
+                  f"replays {(s1.replays - s0.replays) / 10:.0f}, steps aside "
+                  f"{(s1.steps_suspended - s0.steps_suspended) / 10:.1f}", flush=True)
 
 
 def main(argv=None):

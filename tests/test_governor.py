@@ -106,3 +106,32 @@ def test_disable_while_aside_leaves_a_clean_stack(monkeypatch):
     assert ae.stats().steps_suspended >= 1
     assert not torch.utils._python_dispatch._get_current_dispatch_mode_stack()
     assert loop(3, CPU) == loop(3)  # and the engine works again
+
+
+def test_loops_without_an_optimizer_are_clocked_by_host_reads(monkeypatch):
+    # A decode-like loop: no optimizer, one ``.item()`` per iteration. Every READS_PER_STEP
+    # reads make a step; the governor measures, probes and steps aside as for training.
+    from adaptive_eager.governor import READS_PER_STEP
+
+    monkeypatch.setenv("NEURON_ADAPTIVE_EAGER_SUSPEND_RATIO", "1e-9")
+    w = torch.randn(16, 16)
+
+    def token(h):
+        h = torch.tanh(h @ w)
+        return h, h.sum().item()
+
+    def decode(n, engine=None):
+        h, out = torch.ones(1, 16), []
+        for _ in range(n):
+            h, v = token(h)
+            out.append(v)
+        return out
+
+    n = READS_PER_STEP * (2 * WINDOW + 2 + FIRST_BACKOFF // 2)
+    ref = decode(n)
+    with ae.enabled(**CPU):
+        got = decode(n)
+        s = ae.stats()
+    assert got == ref
+    assert [r for r in s.fallbacks if r.startswith("engine slower than eager on this loop")]
+    assert s.steps_suspended >= FIRST_BACKOFF // 2 - 1
