@@ -6,8 +6,9 @@
 For each model of benchmarks/zoo.py (HF Transformers, random weights, no download) and each
 backend it trains ``--steps`` steps and reports: aten ops per step, launches per step once
 hot, divergences in the last half, and the median step time of the last half against eager
-measured in this same process just before each engine run (ratios, not absolute times: this
-machine drifts by tens of percent). Two engine figures per backend:
+measured in this same process before and after each engine run (ratios against the mean of
+the two, not absolute times: this machine drifts by tens of percent). Two engine figures per
+backend:
 
 * ``hot``: the step governor off (``NEURON_ADAPTIVE_EAGER_SUSPEND_RATIO=0``), timed after
   10 steps and the background compile: what a hot replay costs;
@@ -89,11 +90,14 @@ def table(args):
           f"{'eager ms':>8s} {'hot ms':>7s} {'hot/eager':>9s} {'default/eager':>13s} {'aside':>5s}")
     for name in args.models:
         for backend in ("exact", "inductor"):
-            # eager just before each engine run: ratios from neighbouring measurements
-            eager = eager_run(name, args.size, 60)
+            # eager before and after each engine run: each ratio is against the mean of its
+            # two neighbours, which takes out most of the machine's slow drift
+            e0 = eager_run(name, args.size, 60)
             hot = engine_run(name, args.size, args.steps, backend, governor=False)
-            eager2 = eager_run(name, args.size, 60)
+            e1 = eager_run(name, args.size, 60)
             dflt = engine_run(name, args.size, args.steps, backend, governor=True)
+            e2 = eager_run(name, args.size, 60)
+            eager, eager2 = (e0 + e1) / 2, (e1 + e2) / 2
             print(f"{name:9s} {hot['ops']:8d} {backend:8s} {hot['launches']:8d} {hot['div']:4d} "
                   f"{eager * 1e3:8.2f} {hot['time'] * 1e3:7.2f} {hot['time'] / eager:8.2f}x "
                   f"{dflt['time'] / eager2:12.2f}x {dflt['aside']:5d}", flush=True)
