@@ -45,6 +45,9 @@ log = logging.getLogger("adaptive_eager")
 MEASURE, PROBE, SUSPENDED, KEPT = "measure", "probe", "suspended", "kept"
 WINDOW = 5  # steps timed per side
 READS_PER_STEP = 8  # host reads that make one step when no optimizer steps
+# A step longer than this is not a loop iteration (a pause at a notebook prompt, a long
+# first compile): the window being measured starts again.
+MAX_STEP = 1.0  # seconds
 FIRST_BACKOFF, MAX_BACKOFF, RECHECK = 16, 4096, 1000
 
 
@@ -92,7 +95,7 @@ class Governor:
             settled = (not compiling and not mode.inbox and (not self.by_optimizer or (
                 mode.n_nodes == self.nodes and diverged == self.diverged)))
             self.nodes, self.diverged = mode.n_nodes, diverged
-            if not settled or dt is None:
+            if not settled or dt is None or dt > MAX_STEP:
                 self.engine_times.clear()
                 return
             self.engine_times.append(dt)
@@ -100,6 +103,9 @@ class Governor:
                 self.state, self.eager_times = PROBE, []
                 self.last = time.perf_counter()  # the probe starts now, without the mode
         elif self.state == PROBE:
+            if dt > MAX_STEP:
+                self.eager_times.clear()
+                return
             self.eager_times.append(dt)
             if len(self.eager_times) >= WINDOW:
                 self._decide(mode, ratio)

@@ -135,3 +135,15 @@ def test_loops_without_an_optimizer_are_clocked_by_host_reads(monkeypatch):
     assert got == ref
     assert [r for r in s.fallbacks if r.startswith("engine slower than eager on this loop")]
     assert s.steps_suspended >= FIRST_BACKOFF // 2 - 1
+
+
+def test_long_pauses_are_not_steps(monkeypatch):
+    # Intervals longer than MAX_STEP (a notebook waiting on its user) never enter a window.
+    from adaptive_eager import governor
+
+    monkeypatch.setenv("NEURON_ADAPTIVE_EAGER_SUSPEND_RATIO", "1e-9")
+    monkeypatch.setattr(governor, "MAX_STEP", 0.0)
+    n = 4 + 3 * WINDOW
+    assert loop(n, CPU) == loop(n)
+    s = ae.stats()
+    assert s.steps_suspended == 0 and "engine steps aside" not in s.boundaries
