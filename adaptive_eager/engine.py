@@ -77,6 +77,7 @@ class Engine:
         m.configure(config)
         m.__enter__()
         self.local.active = True
+        readguard.count_reads(self, True)
 
     def disable(self) -> None:
         m = self.mode()
@@ -85,6 +86,7 @@ class Engine:
         if not m.governor.release(m):  # stepped aside (Note [Stepping aside]): not on the stack
             m.boundary("disable")
             self.local.active = False
+            readguard.count_reads(self, False)
             return
         stack = _get_current_dispatch_mode_stack()
         if stack and stack[-1] is not m:
@@ -97,6 +99,7 @@ class Engine:
         finally:
             m.__exit__(None, None, None)
             self.local.active = False
+            readguard.count_reads(self, False)
 
     def config(self) -> Config | None:
         m = self.mode()

@@ -19,7 +19,9 @@ What is a step: the interval between two optimizer steps on this thread (the opt
 hook, called with or without the mode on the stack) once one has been seen; before that, and
 in loops without an optimizer (``generate``, inference), every ``READS_PER_STEP`` host reads
 (``.item()``, ``bool(t)``: a decode loop reads once per token), counted by wrappers on those
-``torch.Tensor`` methods that also work while the mode is aside. A read-clocked step is
+``torch.Tensor`` methods while the engine is enabled on some thread: they run before
+dispatch, so they see reads with the mode on or aside, and can step it aside
+(adaptive_eager.readguard.count_reads). A read-clocked step is
 measured even while the trie still grows: a program that never settles runs cold, and cold
 is never faster than eager.
 

@@ -18,6 +18,7 @@ cannot see it; call ``ae.synchronize()`` before it (the README says so).
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 
@@ -27,26 +28,45 @@ GUARDED = ("tolist", "numpy", "__array__", "data_ptr", "__repr__", "__reduce_ex_
            "__dlpack__")
 
 _ORIGINAL: dict = {}
-
-
-# Reads the dispatch mode does see (``_local_scalar_dense``), wrapped only to tell the step
-# governor (adaptive_eager.governor) a host read happened, which it must hear even while the
-# mode is off the stack.
-COUNTED = ("item", "__bool__")
+_lock = threading.Lock()
 
 
 def install(engine) -> None:
-    """Wrap the guarded and counted methods of ``torch.Tensor`` (once per process)."""
-    for name in GUARDED + COUNTED:
+    """Wrap the guarded methods of ``torch.Tensor`` (once per process)."""
+    for name in GUARDED:
         if name in _ORIGINAL:
             continue
         original = getattr(torch.Tensor, name)
         _ORIGINAL[name] = original
-        wrap = _guard if name in GUARDED else _count
-        setattr(torch.Tensor, name, wrap(engine, name, original))
+        setattr(torch.Tensor, name, _guard(engine, name, original))
 
 
-def _count(engine, name, original):
+# Host reads, the step governor's clock in loops without an optimizer
+# (adaptive_eager.governor). The wrappers run before dispatch, so they hear reads whether the
+# mode is on the stack or stepped aside, and can step it aside (which cannot happen inside
+# ``__torch_dispatch__``, where the dispatcher has popped the mode for the call). They are in
+# place only while the engine is enabled on some thread (reference counted): plain programs,
+# and Dynamo tracing them, see the original methods.
+COUNTED = ("item", "__bool__", "__float__", "__int__")
+_counting = [0, {}]  # threads with the engine enabled, originals
+
+
+def count_reads(engine, on: bool) -> None:
+    """A thread enables (``on``) or disables the engine: wrap or restore the read methods."""
+    with _lock:
+        _counting[0] += 1 if on else -1
+        originals = _counting[1]
+        if _counting[0] == 1 and not originals:
+            for name in COUNTED:
+                originals[name] = getattr(torch.Tensor, name)
+                setattr(torch.Tensor, name, _count(engine, originals[name]))
+        elif _counting[0] == 0 and originals:
+            for name, original in originals.items():
+                setattr(torch.Tensor, name, original)
+            originals.clear()
+
+
+def _count(engine, original):
     @functools.wraps(original)
     def counted(self, *args, **kwargs):
         m = engine.mode()
@@ -54,7 +74,6 @@ def _count(engine, name, original):
             m.governor.read(m)
         return original(self, *args, **kwargs)
 
-    counted.__adaptive_eager_guard__ = True
     return counted
 
 

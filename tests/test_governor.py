@@ -147,3 +147,13 @@ def test_long_pauses_are_not_steps(monkeypatch):
     assert loop(n, CPU) == loop(n)
     s = ae.stats()
     assert s.steps_suspended == 0 and "engine steps aside" not in s.boundaries
+
+
+def test_read_methods_are_wrapped_only_while_the_engine_is_enabled():
+    item, as_bool = torch.Tensor.item, torch.Tensor.__bool__
+    with ae.enabled(**CPU):
+        assert torch.Tensor.item is not item  # the governor's clock (host reads)
+        with ae.enabled(**CPU):  # re-entering does not wrap twice
+            pass
+        assert torch.Tensor.item is not item
+    assert torch.Tensor.item is item and torch.Tensor.__bool__ is as_bool

@@ -66,6 +66,7 @@ class AdaptiveEagerMode(TorchDispatchMode):
         self.families: dict = {}  # Note [Shape families] (tracer.learn): compiles per family
         self.paused = 0
         self.generation = 0  # bumped by reset_state: deliveries for older tries are dropped
+        self.governor = None  # set by the engine (adaptive_eager.governor)
         self.configure(config)
 
     def configure(self, config) -> None:
