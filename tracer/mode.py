@@ -315,8 +315,8 @@ def _dispatch(self, func, types, args=(), kwargs=None):
 # Assigned after class creation: TorchDispatchMode.__init_subclass__ would wrap a method
 # defined in the class body with torch._disable_dynamo (~0.5 us per op, DESIGN §11). The
 # wrapper keeps Dynamo from compiling the mode's frames, which only matters while a compiled
-# function runs; the engine suspends itself around torch.compile'd code instead
-# (adaptive_eager.engine).
+# function runs. Known gap: nothing suspends the engine around torch.compile'd code yet, so
+# running both on one thread is not supported.
 AdaptiveEagerMode.__torch_dispatch__ = _dispatch
 
 
