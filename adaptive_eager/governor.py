@@ -54,7 +54,8 @@ FIRST_BACKOFF, MAX_BACKOFF, RECHECK = 16, 4096, 1000
 
 
 class Governor:
-    """One per thread's mode; driven by the optimizer-step hook (``step``)."""
+    """One per thread's mode: ``optimizer_step`` (the optimizer-step hook) and ``read`` (the
+    host-read wrappers, adaptive_eager.readguard) drive it."""
 
     def __init__(self):
         self.state = MEASURE
@@ -125,8 +126,9 @@ class Governor:
         engine = statistics.median(self.engine_times)
         eager = statistics.median(self.eager_times)
         if engine > ratio * eager:
+            step = "optimizer step" if self.by_optimizer else f"{READS_PER_STEP} host reads"
             reason = (f"engine slower than eager on this loop ({engine * 1e3:.2f} ms vs "
-                      f"{eager * 1e3:.2f} ms per optimizer step, limit {ratio}x): "
+                      f"{eager * 1e3:.2f} ms per {step}, limit {ratio}x): "
                       f"stepped aside for {self.backoff} steps")
             mode.counters.fallback(reason)
             if mode.debug >= 1:
