@@ -195,9 +195,7 @@ def _as_recorded(spec, res):
     changed = False
     for j, (o, t) in enumerate(zip(spec.outs, leaves)):
         if o.kind == "fresh" and t is not None and t.stride() != o.meta.stride:
-            m = o.meta
-            leaves[j] = torch.empty_strided(m.shape, m.stride, dtype=m.dtype,
-                                            device=m.device).copy_(t)
+            leaves[j] = _fake_like(o.meta).copy_(t)
             changed = True
     if not changed:
         return res

@@ -52,7 +52,7 @@ class Stats:
     cache_hits: int = 0
     cache_misses: int = 0
     segments: int = 0
-    steps_suspended: int = 0  # optimizer steps run in plain eager, the engine aside
+    steps_suspended: int = 0  # governor steps run in plain eager, the engine aside
     compile_seconds: float = 0.0
     fallbacks: dict = dataclasses.field(default_factory=dict)
     boundaries: dict = dataclasses.field(default_factory=dict)

@@ -241,7 +241,7 @@ def make_fast(node, n_ext_before: int):
                     f"{v}.dtype is not {g.const(meta.dtype)} or {v}.shape != "
                     f"{g.const(meta.shape)} or {v}.stride() != {g.const(meta.stride)} or "
                     f"{v}.device != {g.const(meta.device)} or "
-                    f"known({v}, ids, outw, S.extw){distinct}"
+                    f"S.source({v}) is not None{distinct}"
                 )
         elif tt is Rec:
             v = f"f{t.j}"
@@ -352,7 +352,7 @@ def make_fast(node, n_ext_before: int):
     src = "def fast(a, k, S):\n" + "\n".join(g.lines) + "\n"
     ns = dict(
         g.consts, MISS=MISS, EMPTY=EMPTY, PLAIN=PLAIN, STRIDED=torch.strided, N=node,
-        known=_known, wref=weakref.ref, empty_strided=torch.empty_strided,
+        wref=weakref.ref, empty_strided=torch.empty_strided,
         get_rng_state=torch.get_rng_state,
         get_default_dtype=torch.get_default_dtype,
     )
@@ -360,15 +360,6 @@ def make_fast(node, n_ext_before: int):
     fast = ns["fast"]
     fast.source = src
     return fast
-
-
-def _known(t, ids, outw, extw) -> bool:
-    """Is ``t`` already a value or external of the segment? An id alone does not tell:
-    CPython reuses a dead object's id, so the entry's weak reference must point at ``t``."""
-    idx = ids.get(id(t))
-    if idx is None:
-        return False
-    return (outw[idx] if idx >= 0 else extw[~idx])() is t
 
 
 def out_specs(func, info, args, kwargs, res, tree: str):
