@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-__all__ = ["Config", "ConfigError", "VARIABLES", "from_env", "resolve"]
+__all__ = ["Config", "ConfigError", "VARIABLES", "from_env", "resolve", "setting"]
 
 BACKENDS = ("exact", "inductor")
 DEVICES = ("cpu", "cuda", "neuron")
@@ -36,6 +36,7 @@ class Var:
     minimum: float | None = None
     maximum: float | None = None
     choices: tuple = ()
+    engine: bool = True  # False: read by the emulated device, not part of the engine's Config
 
 
 VARIABLES: tuple[Var, ...] = (
@@ -73,6 +74,10 @@ VARIABLES: tuple[Var, ...] = (
     Var("NEURON_ADAPTIVE_EAGER_RETIRE_RATIO", "retire_ratio", "float", 1.10,
         "A fused graph whose measured step time exceeds this multiple of the eager "
         "step it replaces is retired; 0 disables the check.", minimum=0.0),
+    Var("NEURON_EMULATOR_LAUNCH_US", "emulator_launch_us", "float", 10.0,
+        "Modelled launch latency of the emulated `neuron` device, in microseconds, paid per "
+        "launch on the device's timeline (not by the host); see README, The neuron device.",
+        minimum=0.0, engine=False),
 )
 
 _BY_FIELD = {v.field: v for v in VARIABLES}
@@ -175,6 +180,15 @@ def from_env(environ=None) -> tuple[dict, list[str]]:
     return values, errors
 
 
+def setting(field: str):
+    """One setting's value from the environment, else its default; ConfigError if bad."""
+    var = _BY_FIELD[field]
+    raw = os.environ.get(var.env)
+    if raw is None or raw == "":
+        return var.default
+    return _parse(var, raw, var.env)
+
+
 def resolve(**keywords) -> Config:
     """The Config for ``ae.enable(**keywords)``: keywords, else the environment, else defaults.
 
@@ -183,12 +197,12 @@ def resolve(**keywords) -> Config:
     env_values, errors = from_env()
     if errors:
         raise ConfigError(errors[0])
-    fields = {k: v for k, v in env_values.items() if k != "autoload"}
+    fields = {k: v for k, v in env_values.items() if k != "autoload" and _BY_FIELD[k].engine}
     for name, value in keywords.items():
         if value is None:
             continue
         var = _BY_FIELD.get(name)
-        if var is None or name == "autoload":
+        if var is None or name == "autoload" or not var.engine:
             raise TypeError(f"adaptive_eager: unknown setting {name!r}")
         fields[name] = _parse(var, value, name)
     return Config(**fields)

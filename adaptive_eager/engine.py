@@ -54,6 +54,10 @@ class Engine:
 
     def enable(self, config: Config) -> None:
         _set_debug(config.debug)
+        if "neuron" in config.devices:  # the device must exist before the program names it
+            from . import neuron
+
+            neuron.ensure()
         self._install_hooks()
         if self.cache._lru.maxsize != config.cache_size:
             self.cache.resize(config.cache_size)

@@ -1,0 +1,75 @@
+"""The ``neuron`` device: TorchNeuron's when it is installed, else an emulated one.
+
+``import adaptive_eager.neuron`` makes ``neuron`` a PyTorch device: ``.to("neuron")``,
+``torch.neuron`` (the ``torch.cuda`` surface) and ``torch.accelerator`` work unchanged.
+With ``torch_neuronx`` importable its device is used as it is; otherwise a pure-Python
+emulated device is registered (``emulator``): tensors with CPU backing storage, every op a
+launch on a hardware queue run by a worker thread, with a modelled launch latency
+(``NEURON_EMULATOR_LAUNCH_US``) paid on the device's clock.
+
+Exact counters of the emulated device (launches per stream, bytes copied, modelled busy
+time) are read with ``counters()``; ``set_launch_latency_us()`` changes the modelled latency.
+"""
+
+from __future__ import annotations
+
+from .. import config
+from . import _torchneuronx
+
+__all__ = ["is_emulated", "counters", "reset_counters", "set_launch_latency_us", "ensure"]
+
+_EMULATED: bool | None = None
+
+
+def ensure() -> bool:
+    """Register the device if it is not yet; returns True when it is the emulated one."""
+    global _EMULATED
+    if _EMULATED is None:
+        if _torchneuronx.available():
+            _torchneuronx.adopt()
+            _EMULATED = False
+        else:
+            from . import emulator
+
+            emulator.register(config.setting("emulator_launch_us"))
+            _EMULATED = True
+    return _EMULATED
+
+
+def is_emulated() -> bool:
+    return ensure()
+
+
+def _device(index: int = 0):
+    if not ensure():
+        raise RuntimeError("adaptive_eager.neuron: counters exist on the emulated device only "
+                           "(torch-neuronx is installed)")
+    from . import hardware
+
+    return hardware.get(index)
+
+
+def counters(index: int = 0):
+    """A snapshot of the emulated device's exact counters (waits for its queue first)."""
+    import copy
+
+    d = _device(index)
+    d.synchronize("counters")
+    return copy.deepcopy(d.counters)
+
+
+def reset_counters(index: int = 0) -> None:
+    _device(index).reset_counters()
+
+
+def set_launch_latency_us(us: float, index: int = 0) -> None:
+    """Change the modelled launch latency (microseconds, >= 0) of later launches."""
+    if isinstance(us, bool) or not isinstance(us, (int, float)) or us < 0:
+        raise ValueError(f"adaptive_eager.neuron: launch latency {us!r} us is not valid; "
+                         "accepted: a number >= 0")
+    d = _device(index)
+    d.synchronize("latency change")
+    d.launch_s = us * 1e-6
+
+
+ensure()
