@@ -67,9 +67,7 @@ def set_launch_latency_us(us: float, index: int = 0) -> None:
     if isinstance(us, bool) or not isinstance(us, (int, float)) or us < 0:
         raise ValueError(f"adaptive_eager.neuron: launch latency {us!r} us is not valid; "
                          "accepted: a number >= 0")
-    d = _device(index)
-    d.synchronize("latency change")
-    d.launch_s = us * 1e-6
+    _device(index).set_latency(float(us))
 
 
 ensure()

@@ -111,7 +111,7 @@ def get_device_properties(device=None) -> NeuronDeviceProperties:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         total = 0
-    return NeuronDeviceProperties("neuron (emulated on cpu)", total, d.launch_s * 1e6)
+    return NeuronDeviceProperties("neuron (emulated on cpu)", total, d.launch_us)
 
 
 def get_device_name(device=None) -> str:

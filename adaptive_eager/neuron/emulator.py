@@ -59,6 +59,19 @@ def _copy_from(src, dst, non_blocking=False):
     return copy_into(dst, src)
 
 
+def _tag_storage(obj):
+    return None  # device tensors are saved as CPU copies (NeuronTensor.__reduce_ex__)
+
+
+def _restore_storage(obj, location):
+    # ``torch.load(map_location="neuron")`` maps every storage of the file here, including the
+    # CPU copy a device tensor is saved as; it stays on the host and the tensor is rebuilt on
+    # the device from it (``_rebuild_device_tensor_from_cpu_tensor``).
+    if location.startswith("neuron"):
+        return obj
+    return None
+
+
 def _check_device(device) -> None:
     if device is not None and device.index not in (None, *range(hardware.count())):
         raise RuntimeError(f"neuron: device {device} does not exist; this process has "
@@ -81,6 +94,7 @@ def register(launch_us: float) -> None:
     torch._register_device_module("neuron", api)
     torch._C._acc.register_python_privateuseone_hook(_Hooks())
     torch._C._acc.register_python_privateuseone_device_guard(_Guard())
+    torch.serialization.register_package(5, _tag_storage, _restore_storage)
     lib = torch.library.Library("aten", "IMPL")
     lib.impl("empty.memory_format", _empty, "PrivateUse1")
     lib.impl("empty_strided", _empty_strided, "PrivateUse1")

@@ -102,6 +102,7 @@ class Device:
 
     def __init__(self, index: int, launch_us: float):
         self.index = index
+        self.launch_us = launch_us
         self.launch_s = launch_us * 1e-6
         self._cv = threading.Condition(threading.Lock())
         self._fifo: collections.deque = collections.deque()
@@ -248,6 +249,11 @@ class Device:
 
     def on_free(self, nbytes: int) -> None:
         self.allocated -= nbytes
+
+    def set_latency(self, launch_us: float) -> None:
+        """Model ``launch_us`` per launch from the next launch on (waits for the queue)."""
+        self.synchronize("latency change")
+        self.launch_us, self.launch_s = launch_us, launch_us * 1e-6
 
     def reset_counters(self) -> None:
         self.synchronize("reset counters")

@@ -182,17 +182,25 @@ def _launch(func, args, kwargs):
         return _run_synced(func, args, kwargs, f"no meta result ({type(e).__name__})")
 
     flat, spec = tree_flatten(mout)
-    outs, fresh = [], []
+    outs, fresh, resized = [], [], {}
     for i, m in enumerate(flat):
         if isinstance(m, torch.Tensor):
             aliased = metas.get(id(m))
             if aliased is None:
                 aliased = empty_strided(m.size(), m.stride(), m.dtype)
                 fresh.append((i, aliased._b))
+            elif aliased.size() != m.size() or aliased.stride() != m.stride():
+                resized[id(aliased)] = _rebind(aliased, m)
             outs.append(aliased)
         else:
             outs.append(m)
-    bargs, bkwargs = tree_map(_snapshot, args), tree_map(_snapshot, kwargs)
+
+    def snapshot(x):
+        if isinstance(x, NeuronTensor):
+            return resized.get(id(x), x._b)
+        return _snapshot(x)
+
+    bargs, bkwargs = tree_map(snapshot, args), tree_map(snapshot, kwargs)
 
     def kernel():
         res = func(*bargs, **bkwargs)
@@ -204,6 +212,18 @@ def _launch(func, args, kwargs):
     dev = hardware.get()
     dev.launch(hardware.current_stream(), kernel, str(func))
     return tree_unflatten(outs, spec)
+
+
+def _rebind(t: NeuronTensor, meta: torch.Tensor) -> torch.Tensor:
+    """Give ``t`` new storage with ``meta``'s shape (an ``out=`` tensor the op resizes).
+
+    The op then writes the new backing at its full size; ``t`` (the same Python object the
+    user holds) takes the new metadata, as a resized CPU tensor would.
+    """
+    fresh = empty_strided(meta.size(), meta.stride(), meta.dtype)
+    t.data = fresh  # metadata: sizes and strides follow the new tensor
+    t._b, t._buf = fresh._b, fresh._buf
+    return fresh._b
 
 
 def _run_synced(func, args, kwargs, reason):
