@@ -264,3 +264,38 @@ def test_dtype_casts_and_math():
     assert t.half().dtype == torch.float16 and t.half().device.type == "neuron"
     assert math.isclose(t.exp().sum().item(), math.exp(1.5) + math.exp(-2.5), rel_tol=1e-6)
     assert (t @ t).item() == 1.5 * 1.5 + 2.5 * 2.5
+
+
+@pytest.mark.parametrize("case", ["causal", "bool mask", "float mask", "gqa", "scale", "no grad"])
+def test_attention_runs_the_cpu_kernel_bitwise(case):
+    # Note [Attention kernel choice]: the device takes the CPU's fused kernel, not the math
+    # decomposition a Python device would get.
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 8, 16)
+    kv_heads = 2 if case == "gqa" else 4
+    k, v = torch.randn(2, kv_heads, 8, 16), torch.randn(2, kv_heads, 8, 16)
+    kw = {"causal": dict(is_causal=True), "gqa": dict(is_causal=True, enable_gqa=True),
+          "bool mask": dict(attn_mask=torch.ones(8, 8, dtype=torch.bool).tril()),
+          "float mask": dict(attn_mask=torch.randn(2, 1, 8, 8)), "scale": dict(scale=0.3),
+          "no grad": dict()}[case]
+    grad = case != "no grad"
+
+    def run(device):
+        qq, kk, vv = (t.to(device).requires_grad_(grad) for t in (q, k, v))
+        extra = {n: (t.to(device) if isinstance(t, torch.Tensor) else t) for n, t in kw.items()}
+        out = F.scaled_dot_product_attention(qq, kk, vv, **extra)
+        if grad:
+            out.square().sum().backward()
+            return [out.detach().cpu()] + [t.grad.cpu() for t in (qq, kk, vv)]
+        return [out.cpu()]
+
+    for a, b in zip(run(DEV), run("cpu")):
+        assert torch.equal(a, b)
+
+
+def test_ops_with_a_cpu_kernel_are_not_decomposed():
+    x = torch.randn(4096)  # the decomposition rounds differently on ~20% of values
+    xd = x.to(DEV).requires_grad_()
+    F.silu(xd).sum().backward()
+    F.silu(x.requires_grad_()).sum().backward()
+    assert torch.equal(xd.grad.cpu(), x.grad)  # silu_backward: the CPU kernel, not its decomposition

@@ -11,6 +11,8 @@ PrivateUse1 kernels returning ``NeuronTensor``. Every other op reaches the tenso
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import api, hardware
@@ -59,6 +61,55 @@ def _copy_from(src, dst, non_blocking=False):
     return copy_into(dst, src)
 
 
+def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
+          enable_gqa=False):
+    # Note [Attention kernel choice]: ``scaled_dot_product_attention`` asks a per-device
+    # C++ stub which kernel to use; a Python device has no entry there and gets the unfused
+    # math decomposition, whose rounding differs from the CPU's fused kernel. So the device
+    # makes the CPU's choice itself (from shapes and flags: no data is read) and, where the
+    # CPU fuses, issues the CPU's fused op with the mask prepared as the CPU prepares it.
+    aten = torch.ops.aten
+
+    def host_like(t):
+        return None if t is None else t._b.detach().requires_grad_(t.requires_grad)
+
+    choice = aten._fused_sdp_choice.default(
+        host_like(query), host_like(key), host_like(value), host_like(attn_mask), dropout_p,
+        is_causal, scale=scale, enable_gqa=enable_gqa)
+    if choice != _FLASH:
+        return aten.scaled_dot_product_attention.default.decompose(
+            query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+            enable_gqa=enable_gqa)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.where(attn_mask, torch.scalar_tensor(0.0, dtype=query.dtype),
+                                torch.scalar_tensor(-math.inf, dtype=query.dtype))
+    return aten._scaled_dot_product_flash_attention_for_cpu.default(
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+
+
+_FLASH = int(torch._C._SDPBackend.FLASH_ATTENTION)
+
+
+def _cpu_overrides():
+    """aten ops with a CPU kernel *and* a decomposition that other devices get instead.
+
+    The device must run what the CPU runs (same rounding), so each gets a PrivateUse1
+    kernel: its presence stops the decomposition, and the tensor's ``__torch_dispatch__``
+    (the Python key, ahead of PrivateUse1) then receives the op whole.
+    """
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    return [n for n in torch._C._dispatch_get_all_op_names()
+            if n.startswith("aten::") and has(n, "CompositeImplicitAutograd") and has(n, "CPU")]
+
+
+def _unreachable(name):
+    def kernel(*args, **kwargs):
+        raise NotImplementedError(f"adaptive_eager.neuron: {name} reached the PrivateUse1 kernel "
+                                  "without a device tensor")
+
+    return kernel
+
+
 def _tag_storage(obj):
     return None  # device tensors are saved as CPU copies (NeuronTensor.__reduce_ex__)
 
@@ -99,4 +150,7 @@ def register(launch_us: float) -> None:
     lib.impl("empty.memory_format", _empty, "PrivateUse1")
     lib.impl("empty_strided", _empty_strided, "PrivateUse1")
     lib.impl("_copy_from", _copy_from, "PrivateUse1")
+    lib.impl("scaled_dot_product_attention", _sdpa, "AutogradPrivateUse1")
+    for name in _cpu_overrides():
+        lib.impl(name[len("aten::"):], _unreachable(name), "PrivateUse1")
     _LIB = lib

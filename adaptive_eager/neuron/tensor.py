@@ -143,6 +143,11 @@ def _route(func):
     if not any(_is_tensor_type(r.type) for r in schema.returns) and schema.returns:
         return _synced("it returns no tensor")
     if torch.Tag.nondeterministic_seeded in func.tags:
+        names = [a.name for a in schema.arguments]
+        for p in ("p", "dropout_p"):  # dropout-like: random only when p > 0 (and training)
+            if p in names:
+                return functools.partial(_dropout_like, at=names.index(p),
+                                         train_at=names.index("train") if "train" in names else None)
         return _synced("random op")
     return _launch
 
@@ -244,6 +249,17 @@ def _run_synced(func, args, kwargs, reason):
         return wrap(b) if owner is None else owner
 
     return tree_map(rewrap, res)
+
+
+def _dropout_like(func, args, kwargs, at, train_at):
+    name = func._schema.arguments[at].name
+    p = args[at] if len(args) > at else kwargs.get(name, 0.0)
+    train = True
+    if train_at is not None:
+        train = args[train_at] if len(args) > train_at else kwargs.get("train", True)
+    if p and train:
+        return _run_synced(func, args, kwargs, "random op")
+    return _launch(func, args, kwargs)
 
 
 def _synced(reason):

@@ -1,0 +1,116 @@
+"""A real model on the emulated neuron device, plain eager: equal to the CPU, and the launch model.
+
+    python benchmarks/neuron_device.py [--size issue] [--steps 10] [--latencies 0,10,50]
+
+Trains the tiny Hugging Face Llama of benchmarks/zoo.py on ``neuron`` and on ``cpu`` from the
+same weights and batch and checks that the losses and the greedy tokens of ``generate`` are
+equal. Then, for each modelled launch latency, it times ``--steps`` training steps on the
+device and prints per step: launches, the wall time, launches x latency (the floor the
+device model must respect), the device's modelled busy time (latency + kernel time per
+launch, from ``adaptive_eager.neuron.counters()``), and the host's time to issue the step
+(forward, backward and optimizer, before ``loss.item()`` waits for the device).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import warnings
+
+warnings.filterwarnings("ignore")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+import adaptive_eager.neuron as neuron  # noqa: E402
+from benchmarks.zoo import build  # noqa: E402
+
+
+def _setup(device, size):
+    model, batch = build("llama", size)
+    model.to(device)
+    batch = {k: v.to(device) for k, v in batch.items()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return model, batch, opt
+
+
+def _step(model, batch, opt):
+    """One training step; returns (loss, host seconds to issue it, wall seconds)."""
+    t0 = time.perf_counter()
+    loss = model(**batch).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    issued = time.perf_counter() - t0
+    value = loss.item()
+    return value, issued, time.perf_counter() - t0
+
+
+def _generate(device, size):
+    model, batch = build("llama", size)
+    model.eval().to(device)
+    with torch.no_grad():
+        out = model.generate(batch["input_ids"][:1, :8].to(device), max_new_tokens=16,
+                             do_sample=False, pad_token_id=0)
+    return out.cpu().tolist()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--size", default="issue", choices=("issue", "tiny"))
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--latencies", default="0,10,50")
+    a = p.parse_args(argv)
+    try:
+        lats = [float(x) for x in a.latencies.split(",")]
+        if any(x < 0 for x in lats):
+            raise ValueError
+    except ValueError:
+        p.error(f"--latencies {a.latencies!r} is not valid; accepted: a comma list of "
+                "numbers >= 0 (microseconds)")
+    if not neuron.is_emulated():
+        p.error("torch-neuronx is installed: this benchmark models the emulated device")
+
+    cpu = _setup("cpu", a.size)
+    dev = _setup("neuron", a.size)
+    ref = [_step(*cpu)[0] for _ in range(3)]
+    got = [_step(*dev)[0] for _ in range(3)]
+    tokens_equal = _generate("neuron", a.size) == _generate("cpu", a.size)
+    print(f"llama ({a.size}) on neuron vs cpu: losses {'equal' if got == ref else 'DIFFER'} "
+          f"over 3 steps ({got[-1]:.6f}); generate(16 tokens) "
+          f"{'equal' if tokens_equal else 'DIFFERS'}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {a.steps} steps per "
+          "row, medians per step")
+    print()
+    print("| latency | launches/step | wall ms | launches x latency ms | device busy ms "
+          "| host issue ms |")
+    print("|---|---|---|---|---|---|")
+    for lat in lats:
+        neuron.set_launch_latency_us(lat)
+        _step(*dev)
+        walls, issues, launches, busy = [], [], [], []
+        for _ in range(a.steps):
+            c0 = neuron.counters()
+            _, issued, wall = _step(*dev)
+            c1 = neuron.counters()
+            walls.append(wall)
+            issues.append(issued)
+            launches.append(c1.launches - c0.launches)
+            busy.append(c1.busy_s - c0.busy_s)
+        n = statistics.median(launches)
+        floor = n * lat * 1e-3
+        wall = statistics.median(walls) * 1e3
+        honest = all(w * 1e3 >= k * lat * 1e-3 for w, k in zip(walls, launches))
+        print(f"| {lat:g} us | {n:g} | {wall:.2f} | {floor:.2f} | "
+              f"{statistics.median(busy) * 1e3:.2f} | {statistics.median(issues) * 1e3:.2f} |"
+              + ("" if honest else "  WALL BELOW FLOOR"))
+    cpu_walls = [_step(*cpu)[2] for _ in range(a.steps)]
+    print()
+    print(f"the same step on cpu, plain eager: {statistics.median(cpu_walls) * 1e3:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
