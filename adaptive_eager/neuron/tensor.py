@@ -33,7 +33,6 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from . import hardware
 
@@ -158,65 +157,207 @@ def _is_tensor_type(t) -> bool:
 
 
 def _view(func, args, kwargs):
-    base = next(a for a in tree_flatten((args, kwargs))[0] if isinstance(a, NeuronTensor))
-    out = func(*tree_map(_backing, args), **tree_map(_backing, kwargs))
-    return tree_map(lambda b: NeuronTensor(b, base._buf) if isinstance(b, torch.Tensor) else b, out)
+    base = args[0] if isinstance(args[0], NeuronTensor) else _first_device_tensor(args, kwargs)
+    out = func(*_map(_backing, args), **{k: _map(_backing, v) for k, v in kwargs.items()})
+    buf = base._buf
+    if isinstance(out, torch.Tensor):
+        return NeuronTensor(out, buf)
+    return _map(lambda b: NeuronTensor(b, buf) if isinstance(b, torch.Tensor) else b, out)
+
+
+class _Plan:
+    """What a compute op does to metadata, learnt once per input signature (Note [Op plans]).
+
+    ``outs`` has one entry per leaf of the op's result: ``("fresh", meta)`` a new buffer
+    shaped like ``meta``, ``("alias", i)`` the i-th device tensor argument itself,
+    ``("resized", i, meta)`` that argument with new storage (an ``out=`` the op resizes),
+    ``("value", v)`` a non-tensor leaf. ``template`` is the meta result, for its structure.
+    """
+
+    __slots__ = ("outs", "template", "fresh", "single", "synced")
+
+    def __init__(self, outs=(), template=None, synced=None):
+        self.outs = outs
+        self.template = template
+        self.fresh = [i for i, o in enumerate(outs) if o[0] == "fresh"]
+        self.single = isinstance(template, torch.Tensor)
+        self.synced = synced  # a reason: run as a sync op instead
+
+
+# Note [Op plans]
+# ~~~~~~~~~~~~~~~
+# Working out an op's output metadata on meta tensors costs tens of microseconds (several of
+# the meta kernels are Python); a training step repeats the same ops on the same shapes, so
+# the plan is cached by everything the metadata can depend on: the op, and per argument its
+# device, shape, strides and dtype, or its type and value (1 and 1.0 hash alike, and type
+# promotion tells them apart). An argument that cannot be hashed skips the cache.
+_PLANS: dict = {}
+_PLANS_MAX = 65536
 
 
 def _launch(func, args, kwargs):
-    """A compute op: outputs' metadata from meta tensors, then one queued launch."""
-    metas = {}  # id(meta input) -> the NeuronTensor it stands for
+    """A compute op: outputs' metadata from its plan, then one queued launch."""
+    inputs = []  # the device tensors among the arguments, in order
+    key = _signature(func, args, kwargs, inputs)
+    plan = _PLANS.get(key) if key is not None else None
+    if plan is None:
+        plan = _make_plan(func, args, kwargs)
+        if key is not None and len(_PLANS) < _PLANS_MAX:
+            _PLANS[key] = plan
+    if plan.synced is not None:
+        if plan.synced == "device mismatch":
+            raise RuntimeError(
+                f"Expected all tensors to be on the same device, but found at least two "
+                f"devices, {_DEVICE} and cpu! (when calling {func})")
+        return _run_synced(func, args, kwargs, plan.synced)
+    if key is None:
+        _leaves((args, tuple(kwargs.values())), inputs, NeuronTensor)
+
+    outs, fresh, resized = [], [], {}
+    for o in plan.outs:
+        kind = o[0]
+        if kind == "fresh":
+            m = o[1]
+            t = empty_strided(m.size(), m.stride(), m.dtype)
+            fresh.append(t._b)
+            outs.append(t)
+        elif kind == "alias":
+            outs.append(inputs[o[1]])
+        elif kind == "resized":
+            t = inputs[o[1]]
+            resized[id(t)] = _rebind(t, o[2])
+            outs.append(t)
+        else:
+            outs.append(o[1])
+
+    if resized:
+        def snap(x):
+            return resized.get(id(x), x._b) if isinstance(x, NeuronTensor) else _snapshot(x)
+    else:
+        snap = _snapshot
+    bargs = _map(snap, args)
+    bkwargs = {k: _map(snap, v) for k, v in kwargs.items()}
+    positions = plan.fresh
+
+    def kernel():
+        res = func(*bargs, **bkwargs)
+        if fresh:
+            if plan.single:
+                fresh[0].copy_(res)
+            else:
+                leaves = []
+                _leaves(res, leaves)
+                for b, i in zip(fresh, positions):
+                    b.copy_(leaves[i])
+
+    hardware.get().launch(hardware.current_stream(), kernel, str(func))
+    if plan.single:
+        return outs[0]
+    return _rebuild(plan.template, iter(outs))
+
+
+def _make_plan(func, args, kwargs) -> _Plan:
+    metas = {}  # id(meta argument) -> index among the device tensor arguments
+    inputs = []
 
     def to_meta(x):
         if isinstance(x, NeuronTensor):
             m = torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device=_META)
-            metas[id(m)] = x
+            metas[id(m)] = len(metas)
+            inputs.append(x)
             return m
         if isinstance(x, torch.device):
             return _META
         return x
 
+    margs = _map(to_meta, args)
+    mkwargs = {k: _map(to_meta, v) for k, v in kwargs.items()}
     try:
-        margs, mkwargs = tree_map(to_meta, args), tree_map(to_meta, kwargs)
         mout = func(*margs, **mkwargs)
     except (NotImplementedError, RuntimeError) as e:
         if isinstance(e, RuntimeError) and " device" in str(e) and "meta" in str(e):
-            raise RuntimeError(
-                f"Expected all tensors to be on the same device, but found at least two "
-                f"devices, {_DEVICE} and cpu! (when calling {func})") from None
-        return _run_synced(func, args, kwargs, f"no meta result ({type(e).__name__})")
-
-    flat, spec = tree_flatten(mout)
-    outs, fresh, resized = [], [], {}
-    for i, m in enumerate(flat):
-        if isinstance(m, torch.Tensor):
-            aliased = metas.get(id(m))
-            if aliased is None:
-                aliased = empty_strided(m.size(), m.stride(), m.dtype)
-                fresh.append((i, aliased._b))
-            elif aliased.size() != m.size() or aliased.stride() != m.stride():
-                resized[id(aliased)] = _rebind(aliased, m)
-            outs.append(aliased)
+            return _Plan(synced="device mismatch")
+        return _Plan(synced=f"no meta result ({type(e).__name__})")
+    leaves = []
+    _leaves(mout, leaves)
+    outs = []
+    for m in leaves:
+        if not isinstance(m, torch.Tensor):
+            outs.append(("value", m))
+            continue
+        i = metas.get(id(m))
+        if i is None:
+            outs.append(("fresh", m))
+            continue
+        # the op returns an argument; one whose metadata changed was resized by the op
+        t = inputs[i]
+        if t.size() != m.size() or t.stride() != m.stride():
+            outs.append(("resized", i, m))
         else:
-            outs.append(m)
+            outs.append(("alias", i))
+    return _Plan(outs, mout)
 
-    def snapshot(x):
-        if isinstance(x, NeuronTensor):
-            return resized.get(id(x), x._b)
-        return _snapshot(x)
 
-    bargs, bkwargs = tree_map(snapshot, args), tree_map(snapshot, kwargs)
+def _signature(func, args, kwargs, inputs):
+    """The plan cache key (Note [Op plans]); collects the device tensors into ``inputs``."""
+    try:
+        key = [func]
+        for a in args:
+            key.append(_describe(a, inputs))
+        for k, v in kwargs.items():
+            key.append(k)
+            key.append(_describe(v, inputs))
+        key = tuple(key)
+        hash(key)
+        return key
+    except TypeError:
+        inputs.clear()
+        return None
 
-    def kernel():
-        res = func(*bargs, **bkwargs)
-        if fresh:
-            rflat = tree_flatten(res)[0]
-            for i, b in fresh:
-                b.copy_(rflat[i])
 
-    dev = hardware.get()
-    dev.launch(hardware.current_stream(), kernel, str(func))
-    return tree_unflatten(outs, spec)
+def _describe(a, inputs):
+    if isinstance(a, torch.Tensor):
+        if isinstance(a, NeuronTensor):
+            inputs.append(a)
+            return (a.size(), a.stride(), a.dtype)
+        return ("host", a.size(), a.stride(), a.dtype, a.device)
+    if isinstance(a, (list, tuple)):
+        return tuple(_describe(x, inputs) for x in a)
+    return (type(a), a)
+
+
+def _leaves(x, out, kind=None):
+    """Depth-first leaves of nested lists/tuples (of ``kind`` only, when given)."""
+    if isinstance(x, (list, tuple)):
+        for e in x:
+            _leaves(e, out, kind)
+    elif kind is None or isinstance(x, kind):
+        out.append(x)
+
+
+def _iter_tensors(x):
+    leaves = []
+    _leaves(x, leaves, torch.Tensor)
+    return leaves
+
+
+def _rebuild(template, it):
+    if isinstance(template, list):
+        return [_rebuild(e, it) for e in template]
+    if isinstance(template, tuple):
+        return tuple(_rebuild(e, it) for e in template)
+    return next(it)
+
+
+def _map(fn, x):
+    if isinstance(x, (list, tuple)):
+        return type(x)(_map(fn, e) for e in x)
+    return fn(x)
+
+
+def _first_device_tensor(args, kwargs):
+    return next(t for t in _iter_tensors((args, tuple(kwargs.values())))
+                if isinstance(t, NeuronTensor))
 
 
 def _rebind(t: NeuronTensor, meta: torch.Tensor) -> torch.Tensor:
@@ -233,14 +374,16 @@ def _rebind(t: NeuronTensor, meta: torch.Tensor) -> torch.Tensor:
 
 def _run_synced(func, args, kwargs, reason):
     """Run an op on the device and wait for it: its result is needed on the host."""
-    bargs, bkwargs = tree_map(_snapshot, args), tree_map(_snapshot, kwargs)
+    bargs = _map(_snapshot, args)
+    bkwargs = {k: _map(_snapshot, v) for k, v in kwargs.items()}
     box = []
     dev = hardware.get()
     stream = hardware.current_stream()
     dev.launch(stream, lambda: box.append(func(*bargs, **bkwargs)), str(func))
     dev.wait_for(stream.last, reason)
     res = box[0]
-    owners = {id(a._b): a for a in tree_flatten((args, kwargs))[0] if isinstance(a, NeuronTensor)}
+    owners = {id(a._b): a for a in _iter_tensors((args, tuple(kwargs.values())))
+              if isinstance(a, NeuronTensor)}
 
     def rewrap(b):
         if not isinstance(b, torch.Tensor):
@@ -248,7 +391,7 @@ def _run_synced(func, args, kwargs, reason):
         owner = owners.get(id(b))
         return wrap(b) if owner is None else owner
 
-    return tree_map(rewrap, res)
+    return _map(rewrap, res)
 
 
 def _dropout_like(func, args, kwargs, at, train_at):
@@ -294,7 +437,7 @@ def _snapshot(x):
 
 def _allocate(func, args, kwargs):
     """``empty_like`` and friends: an allocation on the host, no launch."""
-    out = func(*tree_map(_backing, args), **tree_map(_backing, kwargs))
+    out = func(*_map(_backing, args), **{k: _map(_backing, v) for k, v in kwargs.items()})
     return wrap(out)
 
 
