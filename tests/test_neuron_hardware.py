@@ -301,3 +301,29 @@ def test_torchneuronx_adapter_uses_the_real_device(tmp_path, registers):
     else:
         assert r.returncode != 0
         assert "torch_neuronx" in r.stderr and "did not register the neuron device" in r.stderr
+
+
+def test_an_error_never_synchronized_is_reported_at_exit():
+    code = """
+        import torch, adaptive_eager.neuron
+        x = torch.ones(3, device="neuron")
+        y = x[torch.tensor([5], device="neuron")]  # fails on the device; nothing waits for it
+    """
+    r = _run(code)
+    assert r.returncode == 0
+    assert "failed and was never synchronized: IndexError: index 5 is out of bounds" in r.stderr
+
+
+def test_host_tensors_are_read_when_the_op_is_issued():
+    big = torch.randn(700, 700, device=DEV)
+    torch.neuron.synchronize()
+    busy = big @ big @ big  # keeps the worker busy while the host goes on
+    host = torch.ones(1000)
+    dev = torch.zeros(1000, device=DEV)
+    dev.copy_(host)  # queued behind the matmuls
+    scaled = dev * torch.tensor(3.0)  # a 0-dim host tensor argument, also queued
+    host.fill_(5.0)  # the program changes its host tensor at once
+    assert not torch.neuron.current_stream().query()  # the copy has not run yet
+    assert dev.sum().item() == 1000.0
+    assert scaled.sum().item() == 3000.0
+    del busy

@@ -30,8 +30,10 @@ once the error has been reported.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import dataclasses
+import sys
 import threading
 import time
 
@@ -281,6 +283,17 @@ _tls = threading.local()
 def create(count: int, launch_us: float) -> None:
     if not _DEVICES:
         _DEVICES.extend(Device(i, launch_us) for i in range(count))
+        atexit.register(_drain)
+
+
+def _drain() -> None:
+    """At exit: let queued launches finish, and say so if one failed unreported."""
+    for d in _DEVICES:
+        try:
+            d.synchronize("exit")
+        except BaseException as e:
+            sys.stderr.write(f"adaptive_eager.neuron: a launch on neuron:{d.index} failed and "
+                             f"was never synchronized: {type(e).__name__}: {e}\n")
 
 
 def get(index: int | None = 0) -> Device:
