@@ -327,3 +327,26 @@ def test_host_tensors_are_read_when_the_op_is_issued():
     assert dev.sum().item() == 1000.0
     assert scaled.sum().item() == 3000.0
     del busy
+
+
+def test_streams_overlap_on_the_device_timeline():
+    neuron.set_launch_latency_us(2000)  # 2 ms per launch: the kernels are negligible
+    s1, s2 = torch.neuron.Stream(), torch.neuron.Stream()
+    start = torch.neuron.Event(enable_timing=True)
+    ends = [torch.neuron.Event(enable_timing=True) for _ in range(2)]
+    x, y = torch.ones(4, device=DEV), torch.ones(4, device=DEV)
+    x + 1  # the first op of a process imports PyTorch's meta kernels: not part of the timing
+    start.record()
+    for s in (s1, s2):
+        s.wait_event(start)
+    for _ in range(5):
+        with torch.neuron.stream(s1):
+            x = x + 1
+        with torch.neuron.stream(s2):
+            y = y + 1
+    for s, e in zip((s1, s2), ends):
+        e.record(s)
+    spans = [start.elapsed_time(e) for e in ends]  # ms of modelled device time
+    assert all(10.0 <= t for t in spans)  # five 2 ms launches on each stream
+    assert max(spans) < 20.0  # ... side by side, not one after the other
+    assert x.sum().item() == y.sum().item() == 24.0

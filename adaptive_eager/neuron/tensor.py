@@ -12,7 +12,11 @@ Every aten op reaching a ``NeuronTensor`` is routed by one table lookup (``_rout
   the host returns at once (Note [Device clock] in ``hardware``);
 - sync ops wait for the device first: reads of values (``.item()``, ``.cpu()``, printing),
   ops whose output shape depends on data (``nonzero``), ops without a meta kernel, and
-  random ops (Note [Device random numbers]);
+  random ops (Autograd runs ``backward()`` for this device on its own thread, whose current stream is the
+default stream: backward launches go there whatever stream the forward used (the queue runs
+in order, so values are right; only the stream attribution differs from CUDA's).
+
+Note [Device random numbers]);
 - allocations (``empty``, ``empty_like``...) allocate on the host and launch nothing.
 
 An op is never run on wrong data: a launch reads its inputs when it runs, after every
