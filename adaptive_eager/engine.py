@@ -57,7 +57,11 @@ class Engine:
         if "neuron" in config.devices:  # the device must exist before the program names it
             from . import neuron
 
-            neuron.ensure()
+            if neuron.ensure():  # emulated: its tensors are managed like plain ones
+                from adaptive_eager.neuron.tensor import NeuronTensor
+                from adaptive_eager.tracer.signature import PLAIN
+
+                PLAIN.add(NeuronTensor)
         self._install_hooks()
         if self.cache._lru.maxsize != config.cache_size:
             self.cache.resize(config.cache_size)

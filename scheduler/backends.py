@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from .program import Ext, Meta, interpret, straight_line
+from .program import Ext, Meta, interpret, on_device, straight_line
 from .scalars import Lifted, lift_call, liftable
 
 __all__ = ["Graph", "Plan", "plan", "compile_graph", "BACKENDS"]
@@ -117,12 +117,12 @@ class Graph:
     spec_values: tuple = ()  # the specialized floats compiled in (Note [Float variants])
 
 
-def exact_graph(specs, n_ext: int) -> Graph:
+def exact_graph(specs, n_ext: int, device_map=None) -> Graph:
     """The exact backend: a replay of the recorded ops (serves every variant).
 
     ``run(exts, floats, targets)`` runs them as one generated function (program.straight_line).
     """
-    return Graph("exact", straight_line(specs), (), None, n_ext, len(specs),
+    return Graph("exact", straight_line(specs, device_map), (), None, n_ext, len(specs),
                  mutates_external=any(_writes_ext(s) for s in specs))
 
 
@@ -137,8 +137,17 @@ def _fake_like(meta: Meta):
     return base.as_strided(meta.shape, meta.stride, meta.offset)
 
 
-def trace(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values: tuple):
-    """The functional FX graph of the program for one variant, and its fake example inputs."""
+def trace(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values: tuple,
+          device_map=None):
+    """The functional FX graph of the program for one variant, and its fake example inputs.
+
+    ``device_map`` (device type -> device) names where the kernels run when that is not the
+    recorded device (an emulated device's backing CPU tensors).
+    """
+    if device_map:
+        ext_metas = [m._replace(device=device_map.get(m.device.type, m.device)) for m in ext_metas]
+        live_metas = {i: m._replace(device=device_map.get(m.device.type, m.device))
+                      for i, m in live_metas.items()}
     from torch._inductor.decomposition import select_decomp_table
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -166,11 +175,14 @@ def trace(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values: tuple
             return Lifted(aten.select.int(packed, 0, p))
 
         def call(n, spec, args, kwargs):
+            if device_map:
+                args = [on_device(a, device_map) for a in args]
+                kwargs = {k: on_device(v, device_map) for k, v in kwargs.items()}
             if n in the_plan.lifted_ops:
                 res = lift_call(spec.func, args, kwargs)
             else:
                 res = spec.func(*args, **kwargs)
-            return _as_recorded(spec, res)
+            return _as_recorded(spec, res, device_map)
 
         interpret(specs, None, exts, targets, call=call, float_of=float_of)
         return ()
@@ -189,13 +201,16 @@ def trace(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values: tuple
     return gm, inputs, fake_mode
 
 
-def _as_recorded(spec, res):
+def _as_recorded(spec, res, device_map=None):
     """Give each fresh output the strides eager gave it (Note [Traced strides])."""
     leaves = [res] if spec.tree == "one" else [] if spec.tree == "none" else list(res)
     changed = False
     for j, (o, t) in enumerate(zip(spec.outs, leaves)):
         if o.kind == "fresh" and t is not None and t.stride() != o.meta.stride:
-            leaves[j] = _fake_like(o.meta).copy_(t)
+            meta = o.meta
+            if device_map:
+                meta = meta._replace(device=device_map.get(meta.device.type, meta.device))
+            leaves[j] = _fake_like(meta).copy_(t)
             changed = True
     if not changed:
         return res
@@ -211,13 +226,15 @@ def _as_recorded(spec, res):
 # Inductor fuses the copy into the producer.
 
 
-def inductor_graph(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values) -> Graph:
+def inductor_graph(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values,
+                   device_map=None) -> Graph:
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx_inner
 
     start = time.perf_counter()
     with inductor_config.patch(fallback_random=True):
-        gm, inputs, fake_mode = trace(specs, ext_metas, live_metas, the_plan, spec_values)
+        gm, inputs, fake_mode = trace(specs, ext_metas, live_metas, the_plan, spec_values,
+                                      device_map)
         with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
             compiled = compile_fx_inner(gm, inputs, is_inference=True)
     run = getattr(compiled, "current_callable", None) or compiled
@@ -229,5 +246,6 @@ def inductor_graph(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_valu
 BACKENDS = {"inductor": inductor_graph}
 
 
-def compile_graph(backend: str, specs, ext_metas, live_metas, the_plan, spec_values) -> Graph:
-    return BACKENDS[backend](specs, ext_metas, live_metas, the_plan, spec_values)
+def compile_graph(backend: str, specs, ext_metas, live_metas, the_plan, spec_values,
+                  device_map=None) -> Graph:
+    return BACKENDS[backend](specs, ext_metas, live_metas, the_plan, spec_values, device_map)

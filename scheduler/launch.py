@@ -33,7 +33,7 @@ import torch
 
 from .backends import Graph, compile_graph, exact_graph, plan
 from .compiler import GraphKey
-from .program import Ext, OpFailed, alias_groups, interpret
+from .program import Ext, OpFailed, Rec, alias_groups, host_call, interpret
 from .queues import queue_for
 
 __all__ = ["Path", "run", "attribute", "CrosscheckError"]
@@ -66,7 +66,14 @@ class Path:
         self.fresh = tuple(i for i, m in enumerate(self.val_meta) if m is not None)
         metas = [m for m in self.ext_metas + tuple(self.val_meta) if m is not None]
         self.device_type = metas[0].device.type if metas else "cpu"
-        self.launch_early = queue_for(self.device_type).launch_early
+        queue = queue_for(self.device_type)
+        self.launch_early = queue.launch_early
+        # Where the kernels run, when not on the recorded device (an emulated device's
+        # backing CPU tensors): factory ops and compiled graphs are mapped there.
+        compute = queue.compute_device
+        self.device_map = ({self.device_type: compute}
+                           if compute is not None and compute.type != self.device_type else None)
+        self.host_call = host_call(self.device_map)
         self.end = None  # the trie node this path ends at (set by the tracer)
         self.state = COLD
         self.reason = ""
@@ -85,6 +92,7 @@ class Path:
         self.hot_times = collections.deque(maxlen=8)
         self.replays = 0
         self.gid = 0
+        self._randoms = None  # (op index, spec, probability argument) of its random ops
 
     def __repr__(self):
         return f"Path({len(self.specs)} ops, {self.state}, {self.backend})"
@@ -93,9 +101,26 @@ class Path:
     def lines(self) -> tuple:
         return tuple(dict.fromkeys(s.line for s in self.specs))
 
+    def draws(self, floats) -> bool:
+        """Do this run's random ops draw numbers? Dropout-like ops with p == 0 do not."""
+        randoms = self._randoms
+        if randoms is None:
+            randoms = self._randoms = [(n, s, _probability_arg(s.func)) for n, s in
+                                       enumerate(self.specs) if s.random]
+        for n, spec, at in randoms:
+            if at is None:
+                return True
+            i, name = at
+            p = spec.args[i] if i < len(spec.args) else spec.kwargs.get(name, 0.0)
+            if type(p) is Rec:
+                p = floats[n][p.j]
+            if p:
+                return True
+        return False
+
     def exact_graph(self) -> Graph:
         if self.exact is None:
-            self.exact = exact_graph(self.specs, len(self.ext_metas))
+            self.exact = exact_graph(self.specs, len(self.ext_metas), self.device_map)
         return self.exact
 
     @property
@@ -129,7 +154,9 @@ class Path:
         live, _, spec_values = variant  # computed from the current plan just before
         specs, ext_metas, the_plan, backend = self.specs, self.ext_metas, self.plan, self.backend
         live_metas = {i: self.val_meta[i] for i in live}
-        return lambda: compile_graph(backend, specs, ext_metas, live_metas, the_plan, spec_values)
+        device_map = self.device_map
+        return lambda: compile_graph(backend, specs, ext_metas, live_metas, the_plan,
+                                     spec_values, device_map)
 
     def graph_key(self, variant) -> GraphKey:
         return GraphKey(self.key, self.backend, variant)
@@ -144,6 +171,14 @@ class Path:
             return True
         hot = statistics.median(list(self.hot_times)[1:])
         return hot <= ratio * statistics.median(self.cold_times)
+
+
+def _probability_arg(func):
+    """(position, name) of a dropout-like op's probability argument, else None."""
+    for i, a in enumerate(func._schema.arguments):
+        if a.name in ("p", "dropout_p"):
+            return i, a.name
+    return None
 
 
 def _target(path: Path, seg, i: int) -> torch.Tensor:
@@ -176,22 +211,36 @@ def run(path: Path, seg, ctx, counters) -> None:
     if path.backend != "exact" and path.state in (WARM, HOT):
         graph = _fused_graph(path, seg, live, ctx, counters)
     path.last_fused = graph is not None
-    exts = seg.exts
     targets = {i: _target(path, seg, i) for i in (graph.live if graph else live)}
     reference = _crosscheck_reference(path, seg, targets) if ctx.config.crosscheck else None
+    queue = queue_for(path.device_type)
+    # What the launch reads, fixed now: an asynchronous queue runs it after the segment's
+    # bookkeeping has been reset and while the program goes on (module docstring of queues).
+    if queue.asynchronous:
+        prep = queue.prepare
+        exts = [prep(x) for x in seg.exts]
+        floats = list(seg.floats)
+        run_targets = {i: prep(t) for i, t in targets.items()}
+    else:
+        exts, floats, run_targets = seg.exts, seg.floats, targets
     if graph is not None:
         inputs = [exts[k] for k in graph.plan.ext_inputs]
         if graph.plan.lifted:
-            inputs.append(torch.tensor([seg.floats[n][j] for n, j in graph.plan.lifted],
+            inputs.append(torch.tensor([floats[n][j] for n, j in graph.plan.lifted],
                                        dtype=torch.float64))
-        inputs += [targets[i] for i in graph.live]
-        fn, args = _run_fused, (path, graph, inputs, seg)
+        inputs += [run_targets[i] for i in graph.live]
+        fn, args = _run_fused, (path, graph, inputs, (exts, floats, seg.rng))
     else:
-        fn, args = _run_exact, (path, seg, targets)
+        fn, args = _run_exact, (path, exts, floats, run_targets)
     if ctx.debug >= 2:
         start = time.perf_counter()
     with _rng_as_recorded(seg.rng):
-        queue_for(path.device_type).submit(fn, *args)
+        queue.submit(fn, *args)
+        if queue.asynchronous and seg.rng is not None and path.draws(floats):
+            # The device draws from the CPU generator: the host waits while it does, so
+            # random numbers are drawn in program order (Note [Device random numbers]).
+            queue.synchronize()
+            counters.fallback("random ops in a launch: waited for the device")
     if ctx.debug >= 2:
         log.debug("replay %s graph%d [%d ops] %.1f us", graph.backend if graph else "exact",
                   path.gid, n_ops, (time.perf_counter() - start) * 1e6)
@@ -247,30 +296,34 @@ def _written_input_aliased(the_plan, exts) -> bool:
     return False
 
 
-def _run_exact(path: Path, seg, targets: dict) -> None:
+def _run_exact(path: Path, exts, floats, targets: dict) -> None:
     run = path.exact_graph().run
     with torch._C._AutoDispatchBelowADInplaceOrView():
         try:
-            run(seg.exts, seg.floats, targets)
+            run(exts, floats, targets)
         except OpFailed as f:
             raise attribute(f.error, path.specs[f.index]) from None
 
 
-def _run_fused(path: Path, graph: Graph, inputs: list, seg) -> None:
+def _run_fused(path: Path, graph: Graph, inputs: list, recorded) -> None:
     try:
         with torch._C._AutoDispatchBelowADInplaceOrView():
             graph.run(inputs)
     except Exception as e:
-        raise _attribute_fused(path, seg, e) from None
+        raise _attribute_fused(path, recorded, e) from None
 
 
-def _attribute_fused(path: Path, seg, error: BaseException) -> BaseException:
-    """Find the op eager would have failed at: replay the ops on copies of what they write."""
+def _attribute_fused(path: Path, recorded, error: BaseException) -> BaseException:
+    """Find the op eager would have failed at: replay the ops on copies of what they write.
+
+    ``recorded`` is the launch's (externals, floats, generator state).
+    """
+    seg_exts, floats, rng = recorded
     written = {m.k for s in path.specs for m in s.mutates if type(m) is Ext}
-    exts = [t.clone() if k in written else t for k, t in enumerate(seg.exts)]
+    exts = [t.clone() if k in written else t for k, t in enumerate(seg_exts)]
     try:
-        with torch._C._AutoDispatchBelowADInplaceOrView(), _rng_as_recorded(seg.rng):
-            interpret(path.specs, seg.floats, exts, {})
+        with torch._C._AutoDispatchBelowADInplaceOrView(), _rng_as_recorded(rng):
+            interpret(path.specs, floats, exts, {}, call=path.host_call)
     except OpFailed as f:
         return attribute(f.error, path.specs[f.index])
     return RuntimeError(

@@ -204,7 +204,32 @@ def interpret(
     return env
 
 
-def straight_line(specs) -> Callable:
+def on_device(x, device_map):
+    """``x`` with a ``torch.device`` named in ``device_map`` replaced (one level of nesting).
+
+    A path recorded on an emulated device runs its kernels on the backing CPU tensors: its
+    factory ops' ``device=`` arguments must name the CPU there.
+    """
+    if type(x) is torch.device:
+        return device_map.get(x.type, x)
+    if type(x) in (list, tuple):
+        return type(x)(on_device(y, device_map) for y in x)
+    return x
+
+
+def host_call(device_map):
+    """An ``interpret`` ``call`` that runs each op with its devices mapped (None: no map)."""
+    if not device_map:
+        return None
+
+    def call(n, spec, args, kwargs):
+        return spec.func(*[on_device(a, device_map) for a in args],
+                         **{k: on_device(v, device_map) for k, v in kwargs.items()})
+
+    return call
+
+
+def straight_line(specs, device_map=None) -> Callable:
     """``interpret`` specialized to one program, for launches that pass every external.
 
     Returns ``run(exts, floats, targets)`` with ``interpret``'s meaning (ops of views of
@@ -239,6 +264,8 @@ def straight_line(specs) -> Callable:
             return "[" + ", ".join(expr(y, n) for y in x) + "]"
         if x is None or t is bool or t is int or t is float and x == x and abs(x) != float("inf"):
             return repr(x)
+        if t is torch.device and device_map:
+            x = device_map.get(x.type, x)
         return const(x)
 
     for n, spec in enumerate(specs):

@@ -1,16 +1,32 @@
 """Hardware queues: where a launch runs.
 
-One call is the whole seam between the engine and a device: ``queue_for(device).submit(fn)``
-runs a segment's launch on that device's queue, ``synchronize()`` waits for everything
-submitted. On the CPU a launch runs at once on the calling thread (``ImmediateQueue``): the
-kernels are the host's own, and Inductor's CPU kernels hold the GIL (DESIGN §11), so a worker
-thread would not overlap with tracing. Asynchronous queues (CUDA streams, the neuron
-device's queues) implement the same interface.
+One call is the whole seam between the engine and a device: ``queue_for(device).submit(fn,
+*args)`` runs one launch (a micro-graph replay) on that device's current queue and returns;
+``synchronize()`` waits for everything submitted. Before submitting, the engine passes the
+launch's tensors through ``prepare``: what a kernel on that device reads (the backing
+storage of an emulated device tensor; a snapshot of a host tensor, which the program may
+change as soon as the launch is issued).
+
+* cpu: ``ImmediateQueue`` runs the launch at once on the calling thread. The kernels are the
+  host's own: a worker thread would only add a hand-off, and Inductor's CPU kernels hold the
+  interpreter lock (DESIGN §11), so it would not overlap with tracing either.
+* neuron (emulated): ``NeuronQueue`` puts the launch on the device's current stream as one
+  launch (adaptive_eager.neuron.hardware); the host returns at once.
+* cuda: ``CudaQueue`` runs the launch on the host at once; its kernels are queued on the
+  current CUDA stream by the ops themselves, so the device already runs behind the host.
+
+An asynchronous queue sets ``asynchronous``; the engine then never lets a launch read state
+the host may change before it runs (segment bookkeeping is copied, host tensors are
+snapshotted) and waits for the launch where the host must observe its effect in order
+(random ops drawing from the shared CPU generator, crosscheck).
 """
 
 from __future__ import annotations
 
-__all__ = ["Queue", "ImmediateQueue", "queue_for", "synchronize_all"]
+import torch
+
+__all__ = ["Queue", "ImmediateQueue", "NeuronQueue", "CudaQueue", "queue_for",
+           "register_queue", "synchronize_all"]
 
 
 class Queue:
@@ -18,6 +34,13 @@ class Queue:
     # follows. Only worth it when the launch runs asynchronously: it also observes liveness
     # earlier, while the caller's temporaries are still alive, so more outputs materialize.
     launch_early = False
+    asynchronous = False
+    # The device the launch's kernels run on, for compiling its micro-graphs (None: the
+    # device itself).
+    compute_device: torch.device | None = None
+
+    def prepare(self, x):
+        return x
 
     def submit(self, fn, *args) -> None:
         raise NotImplementedError
@@ -36,12 +59,74 @@ class ImmediateQueue(Queue):
         pass
 
 
+class NeuronQueue(Queue):
+    """The emulated neuron device: one launch on the current stream per submission.
+
+    The launch runs on the device's worker over the backing CPU tensors; an error it raises
+    is kept by the device and re-raised at the next sync point (Note [Device clock]).
+    """
+
+    launch_early = True
+    asynchronous = True
+    compute_device = torch.device("cpu")
+
+    def __init__(self):
+        from adaptive_eager.neuron import hardware
+        from adaptive_eager.neuron.tensor import NeuronTensor
+
+        self._hw = hardware
+        self._tensor_type = NeuronTensor
+
+    def prepare(self, x):
+        if isinstance(x, self._tensor_type):
+            return x._b
+        if isinstance(x, torch.Tensor):
+            return x.detach().clone()  # a host tensor: read now, as eager would have
+        return x
+
+    def submit(self, fn, *args) -> None:
+        hw = self._hw
+        hw.get().launch(hw.current_stream(), lambda: fn(*args), "adaptive_eager graph")
+
+    def synchronize(self) -> None:
+        self._hw.get().synchronize("adaptive_eager.synchronize")
+
+
+class CudaQueue(Queue):
+    """CUDA: the launch's kernels go on the current stream; the host does not wait.
+
+    Submission runs on the host at once (the kernels read their arguments when they are
+    enqueued, and CUDA's generator advances at enqueue time), so the engine needs none of
+    the precautions of ``asynchronous`` queues.
+    """
+
+    def submit(self, fn, *args) -> None:
+        fn(*args)  # kernels are queued on torch.cuda.current_stream() by the ops themselves
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+
 _QUEUES: dict = {}
 _IMMEDIATE = ImmediateQueue()
 
 
 def queue_for(device_type: str) -> Queue:
-    return _QUEUES.get(device_type, _IMMEDIATE)
+    q = _QUEUES.get(device_type)
+    if q is None:
+        q = _QUEUES[device_type] = _make(device_type)
+    return q
+
+
+def _make(device_type: str) -> Queue:
+    if device_type == "neuron":
+        from adaptive_eager import neuron
+
+        if neuron.is_emulated():
+            return NeuronQueue()
+    if device_type == "cuda":
+        return CudaQueue()
+    return _IMMEDIATE
 
 
 def register_queue(device_type: str, queue: Queue) -> None:

@@ -311,8 +311,8 @@ def test_crosscheck_mismatch_raises_with_op_and_line(monkeypatch):
 
         replay = launch._run_exact
 
-        def corrupt(path, seg, targets):
-            replay(path, seg, targets)
+        def corrupt(path, exts, floats, targets):
+            replay(path, exts, floats, targets)
             for t in targets.values():
                 t.add_(1)  # a replay that writes a wrong value
 

@@ -72,10 +72,7 @@ class AdaptiveEagerMode(TorchDispatchMode):
     def configure(self, config) -> None:
         self.config = config
         self.debug = config.debug
-        # Devices named in the config whose ops the engine does not defer yet: their ops run
-        # eagerly, each counted as a fallback (the neuron device is registered, not managed).
-        self.pending_devices = frozenset(config.devices) & PENDING_DEVICES
-        self.devices = frozenset(config.devices) - PENDING_DEVICES
+        self.devices = frozenset(config.devices)
         self.host_scalars = "cpu" in self.devices
 
     # ------------------------------------------------------------------ slow path
@@ -102,8 +99,6 @@ class AdaptiveEagerMode(TorchDispatchMode):
             dev = kwargs.get("device")
             managed = (torch.device(dev).type if dev is not None else "cpu") in self.devices
         if not managed:
-            if self.pending_devices and _on_devices(tensors, kwargs, self.pending_devices):
-                return self._boundary_op(func, args, kwargs, "device not managed yet")
             c.ops_passthrough += 1
             return func(*args, **kwargs)
         if _crosses_devices(tensors, kwargs):
@@ -358,16 +353,6 @@ def skip_rule_lookup() -> None:
     ns: dict = {}
     exec(compile(src, registry.__file__, "exec"), registry.__dict__, ns)
     fn.__code__ = ns["find_torch_dispatch_rule"].__code__
-
-
-PENDING_DEVICES = frozenset({"neuron"})
-
-
-def _on_devices(tensors, kwargs, devices) -> bool:
-    if tensors:
-        return any(t.device.type in devices for t in tensors)
-    dev = kwargs.get("device")
-    return dev is not None and torch.device(dev).type in devices
 
 
 def _crosses_devices(tensors, kwargs) -> bool:

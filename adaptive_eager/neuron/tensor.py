@@ -80,6 +80,15 @@ class NeuronTensor(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         return _route(func)(func, args, kwargs or {})
 
+    # Storage: the backing's. What the engine reads to track aliasing and liveness
+    # (Note [Liveness] in scheduler.launch) is then the same as for a CPU tensor.
+
+    def untyped_storage(self):
+        return self._b.untyped_storage()
+
+    def data_ptr(self):
+        return self._b.data_ptr()
+
     # Host-side conveniences that PyTorch refuses for tensor subclasses.
 
     def tolist(self):
@@ -140,7 +149,7 @@ def _route(func):
     special = _SPECIAL.get(func)
     if special is not None:
         return special
-    if func.is_view:
+    if func.is_view or func in _ALIASES_ON_CPU:
         return _view
     schema = func._schema
     if not any(_is_tensor_type(r.type) for r in schema.returns) and schema.returns:
@@ -153,6 +162,11 @@ def _route(func):
                                          train_at=names.index("train") if "train" in names else None)
         return _synced("random op")
     return _launch
+
+
+# Not views by their schema, but the CPU kernel returns an alias of the input (the engine's
+# op table treats them as views too): metadata only, no launch.
+_ALIASES_ON_CPU = frozenset({aten._unsafe_view.default})
 
 
 def _is_tensor_type(t) -> bool:
@@ -472,6 +486,8 @@ def copy_into(dst, src):
     """``dst.copy_(src)`` where either side is on the device."""
     dev = hardware.get()
     if isinstance(dst, NeuronTensor) and not isinstance(src, NeuronTensor):
+        if dst.numel() == 0:
+            return dst  # nothing to copy: no launch (``torch.tensor([], device=...)``)
         staged = src.detach().clone()  # the host may change src as soon as we return
         dev.counters.bytes_to_device += staged.numel() * staged.element_size()
         d = dst._b
@@ -496,6 +512,27 @@ def _resize_(func, args, kwargs):
         f"({tuple(t.shape)} -> {tuple(size)}); allocate a new tensor instead")
 
 
+def _set_storage(func, args, kwargs):
+    """``t.set_(storage, offset, size, stride)`` with a backing (CPU) storage: a view of it."""
+    t, storage = args[0], args[1]
+    if isinstance(storage, torch.Tensor) or storage.device.type != "cpu":
+        return _unsupported(func, args, kwargs)
+    backing = torch.empty(0, dtype=t.dtype).set_(storage, *args[2:], **kwargs)
+    buf = _Buffer(0, hardware.get())  # the storage's bytes are counted by its first owner
+    t.data = NeuronTensor(backing, buf)
+    t._b, t._buf = backing, buf
+    return t
+
+
+def _same_impl_type(func, args, kwargs):
+    # Metadata only (autograd asks it when accumulating a gradient): no launch, no wait.
+    return type(args[0]) is type(args[1])
+
+
+def _same_size(func, args, kwargs):
+    return args[0].size() == args[1].size()
+
+
 def _unsupported(func, args, kwargs):
     raise NotImplementedError(f"adaptive_eager.neuron: the emulated device cannot run {func}")
 
@@ -506,9 +543,11 @@ _SPECIAL = {
     aten._local_scalar_dense.default: _local_scalar,
     aten.resize_.default: _resize_,
     aten.set_.source_Storage: _unsupported,
-    aten.set_.source_Storage_storage_offset: _unsupported,
+    aten.set_.source_Storage_storage_offset: _set_storage,
     aten.set_.source_Tensor: _unsupported,
     aten.set_.default: _unsupported,
+    aten._has_compatible_shallow_copy_type.default: _same_impl_type,
+    aten.is_same_size.default: _same_size,
     aten.empty_like.default: _allocate,
     aten.new_empty.default: _allocate,
     aten.new_empty_strided.default: _allocate,
