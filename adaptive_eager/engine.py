@@ -62,6 +62,9 @@ class Engine:
                 from adaptive_eager.tracer.signature import PLAIN
 
                 PLAIN.add(NeuronTensor)
+                from adaptive_eager.neuron import hardware
+
+                hardware.add_flush_hook(self._flush_for_device)
         self._install_hooks()
         if self.cache._lru.maxsize != config.cache_size:
             self.cache.resize(config.cache_size)
@@ -119,6 +122,12 @@ class Engine:
         m = self.mode()
         if m is not None:
             m.boundary("mark_step")
+
+    def _flush_for_device(self, reason: str) -> None:
+        """The program orders or waits on a device queue: launch what this thread defers."""
+        m = self.mode()
+        if m is not None and not m.paused:
+            m.boundary(reason)
 
     def synchronize(self) -> None:
         m = self.mode()

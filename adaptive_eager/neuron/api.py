@@ -120,6 +120,7 @@ def get_device_name(device=None) -> str:
 
 def synchronize(device=None) -> None:
     """Wait for every launch queued on ``device``; re-raises a kernel's error."""
+    hardware.flush("torch.neuron.synchronize")
     hardware.get(_index(device)).synchronize("torch.neuron.synchronize")
 
 
@@ -156,9 +157,11 @@ class Stream:
         return event
 
     def query(self) -> bool:
+        hardware.flush("Stream.query")
         return self._hw.device.query(self._hw.last)
 
     def synchronize(self) -> None:
+        hardware.flush("Stream.synchronize")
         self._hw.device.wait_for(self._hw.last, "Stream.synchronize")
 
     def __eq__(self, other):
@@ -191,11 +194,13 @@ class Event:
 
     def record(self, stream: Stream | None = None) -> None:
         s = current_stream() if stream is None else stream
+        hardware.flush("Event.record")
         self._device = s._hw.device
         self._device.record(s._hw, self._hw)
 
     def wait(self, stream: Stream | None = None) -> None:
         s = current_stream() if stream is None else stream
+        hardware.flush("Event.wait")
         s._hw.device.wait_event(s._hw, self._hw)
 
     def query(self) -> bool:
@@ -231,6 +236,7 @@ def default_stream(device=None) -> Stream:
 
 def set_stream(stream: Stream) -> None:
     if stream is not None:
+        hardware.flush("stream change")
         hardware.set_current_stream(stream._hw)
 
 
@@ -241,10 +247,12 @@ def stream(stream: Stream | None):
         yield
         return
     previous = hardware.current_stream(stream._hw.device.index)
+    hardware.flush("stream change")
     hardware.set_current_stream(stream._hw)
     try:
         yield
     finally:
+        hardware.flush("stream change")
         hardware.set_current_stream(previous)
 
 

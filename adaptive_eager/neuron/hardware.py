@@ -274,6 +274,24 @@ def _wait_until(deadline: float) -> None:
         pass
 
 
+# -- work held back on the host -------------------------------------------------------
+
+# Called before anything that orders or waits on the queues from the program's side
+# (synchronize, events, stream changes): whoever holds ops back before launching them (the
+# engine's deferred segment) launches them first, so they take their place in the queue.
+_flush_hooks: list = []
+
+
+def add_flush_hook(fn) -> None:
+    if fn not in _flush_hooks:
+        _flush_hooks.append(fn)
+
+
+def flush(reason: str) -> None:
+    for fn in _flush_hooks:
+        fn(reason)
+
+
 # -- the process's devices and each thread's current stream ----------------------------
 
 _DEVICES: list[Device] = []

@@ -1,0 +1,236 @@
+"""The engine on the emulated neuron device: hot steps are one launch on its queue, replayed
+asynchronously, with eager's values, errors, streams and events."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import adaptive_eager as ae
+import adaptive_eager.neuron as neuron
+from conftest import Delta, wait_compiles
+
+pytestmark = pytest.mark.skipif(not neuron.is_emulated(), reason="torch-neuronx is installed")
+
+DEV = "neuron"
+
+
+@pytest.fixture(autouse=True)
+def device_state():
+    neuron.set_launch_latency_us(10)
+    yield
+    torch.neuron.synchronize()
+    neuron.set_launch_latency_us(10)
+
+
+def device_launches():
+    return neuron.counters().launches
+
+
+def mlp_losses(device, steps, engine=None):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 4))
+    model.to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = torch.randn(8, 16).to(device), torch.randint(0, 4, (8,)).to(device)
+    losses, engine_launches, dev_launches = [], [], []
+
+    def step():
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    with (ae.enabled(backend=engine) if engine else contextlib.nullcontext()):
+        for i in range(steps):
+            if engine == "inductor" and i == 3:
+                wait_compiles()
+            a, d = ae.stats().launches, device_launches() if device == DEV else 0
+            losses.append(step())
+            engine_launches.append(ae.stats().launches - a)
+            dev_launches.append(device_launches() - d if device == DEV else 0)
+    return losses, engine_launches, dev_launches
+
+
+def test_mlp_exact_bitwise_one_replay_per_step():
+    ref, _, _ = mlp_losses("cpu", 8)
+    got, eng, dev = mlp_losses(DEV, 8, engine="exact")
+    assert got == ref
+    assert eng[-3:] == [2, 2, 2]  # the step's replay + loss.item()
+    assert dev[-3:] == eng[-3:]  # the device counted the same launches
+    assert dev[0] > 40  # cold: one launch per op
+
+
+def test_mlp_inductor_close():
+    ref, _, _ = mlp_losses("cpu", 8)
+    got, eng, _ = mlp_losses(DEV, 8, engine="inductor")
+    assert all(abs(a - b) <= 1e-3 * abs(a) for a, b in zip(ref, got))
+    assert eng[-1] == 2
+    assert ae.stats().graphs_compiled >= 1
+
+
+def test_llama_hot_step_at_most_three_launches_bitwise():
+    pytest.importorskip("transformers")
+    zoo = pytest.importorskip("benchmarks.zoo")
+
+    def run(device, engine):
+        model, batch = zoo.build("llama", "issue")
+        model.to(device)
+        batch = {k: v.to(device) for k, v in batch.items()}
+        step = zoo.train_step(model, batch)
+        out, per = [], []
+        with (ae.enabled(backend="exact") if engine else contextlib.nullcontext()):
+            for _ in range(6):
+                d = device_launches() if device == DEV else 0
+                out.append(step())
+                per.append(device_launches() - d if device == DEV else 0)
+        return out, per
+
+    ref, _ = run("cpu", False)
+    eager, eager_per = run(DEV, False)
+    got, per = run(DEV, True)
+    assert eager == ref, (eager, ref)
+    assert got == ref, (got, ref, ae.stats().fallbacks)
+    assert min(eager_per) > 300  # plain eager on the device: one launch per op
+    assert max(per[-3:]) <= 3
+
+
+def _hot_chain(n_ops=20):
+    x = torch.ones(64, device=DEV)
+
+    def f():
+        y = x
+        for _ in range(n_ops):
+            y = y * 1.0 + 1.0
+        return y
+
+    return x, f
+
+
+def test_host_runs_ahead_of_the_device():
+    x, f = _hot_chain()
+    with ae.enabled(backend="exact"):
+        for _ in range(3):
+            f()
+            torch.neuron.synchronize()  # the path ends here
+        neuron.set_launch_latency_us(20000)  # 20 ms per launch: the replay cannot be done yet
+        before = device_launches()
+        y = f()  # deferred, then launched as one launch at the path's last op; host returns
+        assert not torch.neuron.current_stream().query()
+        assert device_launches() - before == 1
+        assert y.sum().item() == 64 * 21.0  # the read waits for the launch
+        assert torch.neuron.current_stream().query()
+
+
+def test_error_in_a_queued_replay_is_raised_at_the_next_sync_with_op_and_line():
+    x = torch.arange(4.0, device=DEV)
+    idx = torch.tensor([1, 2], device=DEV)
+
+    def f():
+        return (x.gather(0, idx) * 2).sum()
+
+    line = f.__code__.co_firstlineno + 1
+    with ae.enabled(backend="exact"):
+        for _ in range(3):
+            assert f().item() == 6.0
+        idx.fill_(9)  # out of bounds: only the kernel can tell
+        torch.neuron.synchronize()
+        d = Delta()
+        with pytest.raises(RuntimeError, match="out of bounds") as info:
+            f().item()
+        assert d.replays == 1  # it failed inside the replay, not in a cold op
+        text = str(info.value) + "".join(getattr(info.value, "__notes__", []))
+        assert "aten.gather.default" in text and f"test_neuron_engine.py:{line}" in text
+        idx.fill_(0)
+        torch.neuron.synchronize()
+        assert f().item() == 0.0  # the engine and the device are usable again
+
+
+def test_buffers_live_until_the_queued_replay_ran():
+    w = torch.randn(256, 256)
+    expect = (w @ w).relu().sum().item()
+    with ae.enabled(backend="exact"):
+        def f(a):
+            return (a @ a).relu().sum()
+
+        for _ in range(3):
+            f(w.to(DEV)).item()
+        neuron.set_launch_latency_us(5000)
+        out = f(w.to(DEV))  # the input's only reference dies with this line
+        gc.collect()
+        junk = [torch.full((256, 256), float("nan"), device=DEV) for _ in range(8)]
+        assert out.item() == pytest.approx(expect, rel=1e-6)
+        del junk
+
+
+def test_replays_follow_the_current_stream_and_events_order_them():
+    x, f = _hot_chain()
+    s1, s2 = torch.neuron.Stream(), torch.neuron.Stream()
+    with ae.enabled(backend="exact"):
+        for _ in range(3):
+            f().sum().item()
+        before = neuron.counters().launches_by_stream.get(s1.stream_id, 0)
+        with torch.neuron.stream(s1):
+            y = f()
+            done = torch.neuron.Event()
+            done.record()
+        s2.wait_event(done)
+        with torch.neuron.stream(s2):
+            z = y * 2
+        assert neuron.counters().launches_by_stream.get(s1.stream_id, 0) - before == 1
+        assert z.sum().item() == 64 * 42.0
+
+
+def test_synchronize_launches_what_the_engine_holds():
+    x, f = _hot_chain()
+    with ae.enabled(backend="exact"):
+        for _ in range(3):
+            f().sum().item()
+        before = device_launches()
+        f()
+        torch.neuron.synchronize()
+        assert device_launches() - before == 1
+
+
+def _script(code, **env):
+    e = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_")}
+    e.update(env)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, env=e, timeout=300)
+
+
+AGNOSTIC = """
+    import torch, torch.nn as nn, torch.nn.functional as F
+    dev = torch.accelerator.current_accelerator() or torch.device("cpu")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4)).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = torch.randn(8, 16).to(dev), torch.randint(0, 4, (8,)).to(dev)
+    losses = []
+    for _ in range(6):
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad(); loss.backward(); opt.step()
+        losses.append(loss.item())
+    import adaptive_eager as ae
+    print(dev.type, ae.stats().replays > 0, repr(losses))
+"""
+
+
+def test_no_code_change_bitwise_on_the_device():
+    cpu = _script(AGNOSTIC)
+    dev = _script(AGNOSTIC, NEURON_ADAPTIVE_EAGER="1", NEURON_ADAPTIVE_EAGER_BACKEND="exact",
+                  NEURON_ADAPTIVE_EAGER_SUSPEND_RATIO="0")
+    assert cpu.returncode == 0 and dev.returncode == 0, dev.stderr
+    c, d = cpu.stdout.split(maxsplit=2), dev.stdout.split(maxsplit=2)
+    assert c[0] == "cpu" and d[:2] == ["neuron", "True"]
+    assert d[2] == c[2]
