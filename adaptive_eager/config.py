@@ -74,6 +74,10 @@ VARIABLES: tuple[Var, ...] = (
     Var("NEURON_ADAPTIVE_EAGER_RETIRE_RATIO", "retire_ratio", "float", 1.10,
         "A fused graph whose measured step time exceeds this multiple of the eager "
         "step it replaces is retired; 0 disables the check.", minimum=0.0),
+    Var("NEURON_ADAPTIVE_EAGER_QUEUE_DEPTH", "queue_depth", "int", 8,
+        "Launches the engine lets wait on an asynchronous device queue; a replay submitted "
+        "beyond it waits for the device first (bounds how far the host runs ahead and the "
+        "memory queued launches hold), counted.", minimum=1),
     Var("NEURON_EMULATOR_LAUNCH_US", "emulator_launch_us", "float", 10.0,
         "Modelled launch latency of the emulated `neuron` device, in microseconds, paid per "
         "launch on the device's timeline (not by the host); see README, The neuron device.",
@@ -102,6 +106,7 @@ class Config:
     retire_ratio: float = 1.10
     divergence_limit: int = 3
     suspend_ratio: float = 1.05
+    queue_depth: int = 8
 
     def backend_for(self, device_type: str) -> str:
         """Backend used for segments on ``device_type``."""

@@ -18,7 +18,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from adaptive_eager.scheduler.compiler import CompileCache, Compiler
-from adaptive_eager.scheduler.queues import synchronize_all
+from adaptive_eager.scheduler.queues import set_depth, synchronize_all
 from adaptive_eager.scheduler.stats import snapshot
 from adaptive_eager.tracer.mode import AdaptiveEagerMode, skip_rule_lookup
 
@@ -54,6 +54,7 @@ class Engine:
 
     def enable(self, config: Config) -> None:
         _set_debug(config.debug)
+        set_depth(config.queue_depth)
         if "neuron" in config.devices:  # the device must exist before the program names it
             from . import neuron
 

@@ -235,7 +235,8 @@ def run(path: Path, seg, ctx, counters) -> None:
     if ctx.debug >= 2:
         start = time.perf_counter()
     with _rng_as_recorded(seg.rng):
-        queue.submit(fn, *args)
+        if queue.submit(fn, *args):
+            counters.fallback("device queue full (NEURON_ADAPTIVE_EAGER_QUEUE_DEPTH): waited")
         if queue.asynchronous and seg.rng is not None and path.draws(floats):
             # The device draws from the CPU generator: the host waits while it does, so
             # random numbers are drawn in program order (Note [Device random numbers]).

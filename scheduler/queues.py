@@ -26,10 +26,11 @@ from __future__ import annotations
 import torch
 
 __all__ = ["Queue", "ImmediateQueue", "NeuronQueue", "CudaQueue", "queue_for",
-           "register_queue", "synchronize_all"]
+           "register_queue", "set_depth", "synchronize_all"]
 
 
 class Queue:
+    depth = 8
     # Launch a hot path as soon as its last op is deferred, rather than at the boundary that
     # follows. Only worth it when the launch runs asynchronously: it also observes liveness
     # earlier, while the caller's temporaries are still alive, so more outputs materialize.
@@ -42,7 +43,8 @@ class Queue:
     def prepare(self, x):
         return x
 
-    def submit(self, fn, *args) -> None:
+    def submit(self, fn, *args) -> bool | None:
+        """Run or queue one launch; True when it first had to wait for a full queue."""
         raise NotImplementedError
 
     def synchronize(self) -> None:
@@ -84,9 +86,12 @@ class NeuronQueue(Queue):
             return x.detach().clone()  # a host tensor: read now, as eager would have
         return x
 
-    def submit(self, fn, *args) -> None:
+    def submit(self, fn, *args) -> bool:
         hw = self._hw
-        hw.get().launch(hw.current_stream(), lambda: fn(*args), "adaptive_eager graph")
+        device = hw.get()
+        waited = device.wait_below(self.depth)
+        device.launch(hw.current_stream(), lambda: fn(*args), "adaptive_eager graph")
+        return waited
 
     def synchronize(self) -> None:
         self._hw.get().synchronize("adaptive_eager.synchronize")
@@ -127,6 +132,18 @@ def _make(device_type: str) -> Queue:
     if device_type == "cuda":
         return CudaQueue()
     return _IMMEDIATE
+
+
+def set_depth(depth: int) -> None:
+    """The most launches the engine lets wait on an asynchronous queue (Note [Queue depth])."""
+    Queue.depth = depth
+
+
+# Note [Queue depth]: the engine captures a recurring step whole and launches it the moment
+# its last op is deferred, so it never holds work back while the device idles; what the
+# depth of the queue decides is how far the host may run ahead. Past ``depth`` queued
+# launches a new replay waits for the device: the buffers the queued launches keep alive are
+# bounded, and a host far ahead gains nothing (the device is the bottleneck then).
 
 
 def register_queue(device_type: str, queue: Queue) -> None:

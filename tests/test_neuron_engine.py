@@ -234,3 +234,24 @@ def test_no_code_change_bitwise_on_the_device():
     c, d = cpu.stdout.split(maxsplit=2), dev.stdout.split(maxsplit=2)
     assert c[0] == "cpu" and d[:2] == ["neuron", "True"]
     assert d[2] == c[2]
+
+
+def test_queue_depth_bounds_how_far_the_host_runs_ahead():
+    x, f = _hot_chain()
+    from adaptive_eager.scheduler import queues
+
+    with ae.enabled(backend="exact"):
+        queues.set_depth(2)
+        try:
+            for _ in range(3):
+                f()
+                torch.neuron.synchronize()
+            neuron.set_launch_latency_us(20000)
+            d = Delta()
+            ys = [f() for _ in range(4)]  # four replays of 20 ms each, issued back to back
+            waited = d.fallbacks.get(
+                "device queue full (NEURON_ADAPTIVE_EAGER_QUEUE_DEPTH): waited", 0)
+            assert waited >= 1, (d.fallbacks, d.replays)
+            assert [y.sum().item() for y in ys] == [64 * 21.0] * 4
+        finally:
+            queues.set_depth(8)

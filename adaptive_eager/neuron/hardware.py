@@ -111,6 +111,7 @@ class Device:
         self.launch_s = launch_us * 1e-6
         self._cv = threading.Condition(threading.Lock())
         self._fifo: collections.deque = collections.deque()
+        self._inflight: collections.deque = collections.deque()  # kernel launches, oldest first
         self._worker: threading.Thread | None = None
         self._failed: _Launch | None = None  # first failed launch not yet reported
         self._skipped = 0  # launches skipped since that failure
@@ -137,7 +138,11 @@ class Device:
         c = self.counters
         c.launches += 1
         c.launches_by_stream[stream.stream_id] = c.launches_by_stream.get(stream.stream_id, 0) + 1
-        self._put(_Launch(fn, stream, name, "kernel"))
+        launch = _Launch(fn, stream, name, "kernel")
+        self._inflight.append(launch)
+        if len(self._inflight) > 4096:  # nobody asks for the depth: keep the record short
+            self._inflight.popleft()
+        self._put(launch)
 
     def record(self, stream: HwStream, event: HwEvent) -> None:
         launch = _Launch(None, stream, "record", "record", event)
@@ -157,6 +162,25 @@ class Device:
                     target=self._run, name=f"neuron:{self.index} worker", daemon=True)
                 self._worker.start()
             self._cv.notify()
+
+    def wait_below(self, depth: int) -> bool:
+        """Block while ``depth`` or more kernel launches are unfinished on the device clock
+        (queued, running, or run but not yet at their modelled end); True if it waited."""
+        inflight = self._inflight
+        now = _clock()
+        while inflight and inflight[0].done and inflight[0].end <= now:
+            inflight.popleft()
+        if len(inflight) < depth:
+            return False
+        while len(inflight) >= depth:
+            oldest = inflight[0]
+            if not oldest.done:
+                with self._cv:
+                    while not oldest.done:
+                        self._cv.wait()
+            _wait_until(oldest.end)
+            inflight.popleft()
+        return True
 
     # -- the worker (device side) ---------------------------------------------------
 
