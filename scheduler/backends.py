@@ -243,7 +243,27 @@ def inductor_graph(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_valu
                  mutates_external=bool(the_plan.mutated_inputs), spec_values=tuple(spec_values))
 
 
-BACKENDS = {"inductor": inductor_graph}
+def neuron_graph(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values,
+                 device_map=None) -> Graph:
+    """TorchNeuron's compiler: the same functional graph, through ``torch.compile``'s
+    ``neuron`` backend (registered by torch-neuronx; used as it is)."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    start = time.perf_counter()
+    gm, inputs, fake_mode = trace(specs, ext_metas, live_metas, the_plan, spec_values,
+                                  device_map)
+    compiled = lookup_backend("neuron")(gm, inputs)
+
+    def run(args):
+        compiled(*args)
+        args.clear()  # as Inductor's boxed calling convention does: drop the references
+
+    return Graph("neuron", run, tuple(live_metas), the_plan, len(ext_metas), len(specs),
+                 compile_seconds=time.perf_counter() - start, code=gm.code,
+                 mutates_external=bool(the_plan.mutated_inputs), spec_values=tuple(spec_values))
+
+
+BACKENDS = {"inductor": inductor_graph, "neuron": neuron_graph}
 
 
 def compile_graph(backend: str, specs, ext_metas, live_metas, the_plan, spec_values,

@@ -67,6 +67,8 @@ class Path:
         metas = [m for m in self.ext_metas + tuple(self.val_meta) if m is not None]
         self.device_type = metas[0].device.type if metas else "cpu"
         queue = queue_for(self.device_type)
+        if backend != "exact" and queue.compile_backend is not None:
+            self.backend = backend = queue.compile_backend
         self.launch_early = queue.launch_early
         # Where the kernels run, when not on the recorded device (an emulated device's
         # backing CPU tensors): factory ops and compiled graphs are mapped there.

@@ -12,6 +12,8 @@ change as soon as the launch is issued).
   interpreter lock (DESIGN §11), so it would not overlap with tracing either.
 * neuron (emulated): ``NeuronQueue`` puts the launch on the device's current stream as one
   launch (adaptive_eager.neuron.hardware); the host returns at once.
+* neuron (torch-neuronx): ``TorchNeuronxQueue``, as cuda, with graphs compiled by its
+  ``torch.compile`` backend.
 * cuda: ``CudaQueue`` runs the launch on the host at once; its kernels are queued on the
   current CUDA stream by the ops themselves, so the device already runs behind the host.
 
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["Queue", "ImmediateQueue", "NeuronQueue", "CudaQueue", "queue_for",
+__all__ = ["Queue", "ImmediateQueue", "NeuronQueue", "CudaQueue", "TorchNeuronxQueue", "queue_for",
            "register_queue", "set_depth", "synchronize_all"]
 
 
@@ -39,6 +41,9 @@ class Queue:
     # The device the launch's kernels run on, for compiling its micro-graphs (None: the
     # device itself).
     compute_device: torch.device | None = None
+    # The compiler that fuses micro-graphs for this device when the engine's backend asks
+    # for fusion (None: the requested backend, Inductor).
+    compile_backend: str | None = None
 
     def prepare(self, x):
         return x
@@ -112,6 +117,20 @@ class CudaQueue(Queue):
         torch.cuda.synchronize()
 
 
+class TorchNeuronxQueue(Queue):
+    """TorchNeuron's device (torch-neuronx installed): like CUDA, the launch runs on the host
+    and its kernels queue on ``torch.neuron.current_stream()``; graphs compile through
+    ``torch.compile(backend="neuron")``."""
+
+    compile_backend = "neuron"
+
+    def submit(self, fn, *args) -> None:
+        fn(*args)
+
+    def synchronize(self) -> None:
+        torch.neuron.synchronize()
+
+
 _QUEUES: dict = {}
 _IMMEDIATE = ImmediateQueue()
 
@@ -127,8 +146,7 @@ def _make(device_type: str) -> Queue:
     if device_type == "neuron":
         from adaptive_eager import neuron
 
-        if neuron.is_emulated():
-            return NeuronQueue()
+        return NeuronQueue() if neuron.is_emulated() else TorchNeuronxQueue()
     if device_type == "cuda":
         return CudaQueue()
     return _IMMEDIATE

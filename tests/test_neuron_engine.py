@@ -255,3 +255,44 @@ def test_queue_depth_bounds_how_far_the_host_runs_ahead():
             assert [y.sum().item() for y in ys] == [64 * 21.0] * 4
         finally:
             queues.set_depth(8)
+
+
+def test_torchneuronx_graphs_compile_through_its_torch_compile_backend():
+    """With torch-neuronx, fused graphs go to ``torch.compile(backend="neuron")``: the wiring,
+    checked with a fake backend standing in for it on the cpu queue."""
+    from torch._dynamo.backends import registry
+
+    from adaptive_eager.scheduler import queues
+
+    calls = []
+
+    def fake_neuron_backend(gm, example_inputs):
+        calls.append(len(example_inputs))
+        return gm.forward
+
+    class FakeNeuronxQueue(queues.ImmediateQueue):
+        compile_backend = "neuron"
+
+    assert "neuron" not in registry._COMPILER_FNS
+    registry.register_backend(fake_neuron_backend, name="neuron")
+    queues.register_queue("cpu", FakeNeuronxQueue())
+    try:
+        x = torch.randn(32)
+
+        def f():
+            return ((x * 2).sin() + 1).sum()
+
+        expect = f().item()
+        with ae.enabled(devices=("cpu",), backend="inductor"):
+            for _ in range(3):
+                f().item()
+            wait_compiles()
+            d = Delta()
+            got = f().item()
+            assert d.cache_hits == 1
+        assert calls and got == pytest.approx(expect, rel=1e-6)
+    finally:
+        registry._COMPILER_FNS.pop("neuron", None)
+        registry._BACKENDS.pop("neuron", None)
+        queues._QUEUES.pop("cpu", None)
+        ae.reset()
