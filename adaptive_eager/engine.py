@@ -59,10 +59,11 @@ class Engine:
             from . import neuron
 
             if neuron.ensure():  # emulated: its tensors are managed like plain ones
-                from adaptive_eager.neuron.tensor import NeuronTensor
-                from adaptive_eager.tracer.signature import PLAIN
+                from adaptive_eager.neuron.tensor import NeuronTensor, empty_strided
+                from adaptive_eager.tracer.signature import ALLOCATORS, PLAIN
 
                 PLAIN.add(NeuronTensor)
+                ALLOCATORS["neuron"] = empty_strided
                 from adaptive_eager.neuron import hardware
 
                 hardware.add_flush_hook(self._flush_for_device)

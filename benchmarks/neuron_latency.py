@@ -65,7 +65,7 @@ def _measure(step, steps):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--backend", default="exact", choices=("exact", "inductor"))
-    p.add_argument("--size", default="issue", choices=("issue", "tiny"))
+    p.add_argument("--size", default="issue", choices=("issue", "m", "tiny"))
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--latencies", default="0,10,50")
     a = p.parse_args(argv)

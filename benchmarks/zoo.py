@@ -3,7 +3,8 @@
 Each entry builds a randomly initialised model from a config (no download), a fixed batch
 and a training step (forward, loss, backward, AdamW, ``loss.item()``). Two sizes: ``issue``
 is the configuration the real-models issue measured (hidden 64, 2 layers, batch 2 x 32
-tokens), ``tiny`` a smaller one that keeps the test suite's Inductor compiles short.
+tokens), ``m`` one where compute weighs more (hidden 256, batch 4 x 128 tokens), ``tiny`` a
+smaller one that keeps the test suite's Inductor compiles short.
 
 Needs ``transformers`` (the ``test`` extra).
 """
@@ -16,6 +17,7 @@ __all__ = ["MODELS", "DECODERS", "build", "train_step"]
 
 SIZES = {
     "issue": dict(hidden=64, inter=172, layers=2, heads=4, kv=2, batch=2, seq=32, vocab=256),
+    "m": dict(hidden=256, inter=688, layers=2, heads=4, kv=2, batch=4, seq=128, vocab=256),
     "tiny": dict(hidden=32, inter=64, layers=1, heads=2, kv=1, batch=2, seq=8, vocab=128),
 }
 

@@ -48,6 +48,9 @@ __all__ = ["Observed", "Unsupported", "observe", "describe", "make_fast", "MISS"
 MISS = object()
 EMPTY: tuple = ()
 PLAIN: set = {torch.Tensor, torch.nn.Parameter}
+# device type -> allocate(shape, stride, dtype): a device's own allocator for the hot path's
+# fresh outputs, where going through the dispatcher costs more (a Python device's factory).
+ALLOCATORS: dict = {}
 _NOT_PLAIN: set = set()
 
 
@@ -326,7 +329,11 @@ def make_fast(node, n_ext_before: int):
             if o.kind == "fresh":
                 m = o.meta
                 v = g.var()
-                if m.offset == 0 and _minimal(m):
+                alloc = ALLOCATORS.get(m.device.type)
+                if m.offset == 0 and _minimal(m) and alloc is not None:
+                    g.emit(f"{v} = {g.const(alloc)}({g.const(m.shape)}, {g.const(m.stride)}, "
+                           f"{g.const(m.dtype)})")
+                elif m.offset == 0 and _minimal(m):
                     g.emit(f"{v} = empty_strided({g.const(m.shape)}, {g.const(m.stride)}, "
                            f"dtype={g.const(m.dtype)}, device={g.const(m.device)})")
                 else:
