@@ -117,12 +117,12 @@ class Graph:
     spec_values: tuple = ()  # the specialized floats compiled in (Note [Float variants])
 
 
-def exact_graph(specs, n_ext: int, device_map=None) -> Graph:
+def exact_graph(specs, n_ext: int, device_map=None, kernels=None) -> Graph:
     """The exact backend: a replay of the recorded ops (serves every variant).
 
     ``run(exts, floats, targets)`` runs them as one generated function (program.straight_line).
     """
-    return Graph("exact", straight_line(specs, device_map), (), None, n_ext, len(specs),
+    return Graph("exact", straight_line(specs, device_map, kernels), (), None, n_ext, len(specs),
                  mutates_external=any(_writes_ext(s) for s in specs))
 
 
@@ -138,7 +138,7 @@ def _fake_like(meta: Meta):
 
 
 def trace(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values: tuple,
-          device_map=None):
+          device_map=None, kernels=None):
     """The functional FX graph of the program for one variant, and its fake example inputs.
 
     ``device_map`` (device type -> device) names where the kernels run when that is not the
@@ -178,10 +178,11 @@ def trace(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values: tuple
             if device_map:
                 args = [on_device(a, device_map) for a in args]
                 kwargs = {k: on_device(v, device_map) for k, v in kwargs.items()}
+            func = kernels.get(spec.func, spec.func) if kernels else spec.func
             if n in the_plan.lifted_ops:
-                res = lift_call(spec.func, args, kwargs)
+                res = lift_call(func, args, kwargs)
             else:
-                res = spec.func(*args, **kwargs)
+                res = func(*args, **kwargs)
             return _as_recorded(spec, res, device_map)
 
         interpret(specs, None, exts, targets, call=call, float_of=float_of)
@@ -227,14 +228,14 @@ def _as_recorded(spec, res, device_map=None):
 
 
 def inductor_graph(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values,
-                   device_map=None) -> Graph:
+                   device_map=None, kernels=None) -> Graph:
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx_inner
 
     start = time.perf_counter()
     with inductor_config.patch(fallback_random=True):
         gm, inputs, fake_mode = trace(specs, ext_metas, live_metas, the_plan, spec_values,
-                                      device_map)
+                                      device_map, kernels)
         with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
             compiled = compile_fx_inner(gm, inputs, is_inference=True)
     run = getattr(compiled, "current_callable", None) or compiled
@@ -244,14 +245,14 @@ def inductor_graph(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_valu
 
 
 def neuron_graph(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values,
-                 device_map=None) -> Graph:
+                 device_map=None, kernels=None) -> Graph:
     """TorchNeuron's compiler: the same functional graph, through ``torch.compile``'s
     ``neuron`` backend (registered by torch-neuronx; used as it is)."""
     from torch._dynamo.backends.registry import lookup_backend
 
     start = time.perf_counter()
     gm, inputs, fake_mode = trace(specs, ext_metas, live_metas, the_plan, spec_values,
-                                  device_map)
+                                  device_map, kernels)
     compiled = lookup_backend("neuron")(gm, inputs)
 
     def run(args):
@@ -267,5 +268,6 @@ BACKENDS = {"inductor": inductor_graph, "neuron": neuron_graph}
 
 
 def compile_graph(backend: str, specs, ext_metas, live_metas, the_plan, spec_values,
-                  device_map=None) -> Graph:
-    return BACKENDS[backend](specs, ext_metas, live_metas, the_plan, spec_values, device_map)
+                  device_map=None, kernels=None) -> Graph:
+    return BACKENDS[backend](specs, ext_metas, live_metas, the_plan, spec_values, device_map,
+                             kernels)

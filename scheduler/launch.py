@@ -75,7 +75,8 @@ class Path:
         compute = queue.compute_device
         self.device_map = ({self.device_type: compute}
                            if compute is not None and compute.type != self.device_type else None)
-        self.host_call = host_call(self.device_map)
+        self.kernels = queue.kernels or None
+        self.host_call = host_call(self.device_map, self.kernels)
         self.end = None  # the trie node this path ends at (set by the tracer)
         self.state = COLD
         self.reason = ""
@@ -122,7 +123,8 @@ class Path:
 
     def exact_graph(self) -> Graph:
         if self.exact is None:
-            self.exact = exact_graph(self.specs, len(self.ext_metas), self.device_map)
+            self.exact = exact_graph(self.specs, len(self.ext_metas), self.device_map,
+                                     self.kernels)
         return self.exact
 
     @property
@@ -156,9 +158,9 @@ class Path:
         live, _, spec_values = variant  # computed from the current plan just before
         specs, ext_metas, the_plan, backend = self.specs, self.ext_metas, self.plan, self.backend
         live_metas = {i: self.val_meta[i] for i in live}
-        device_map = self.device_map
+        device_map, kernels = self.device_map, self.kernels
         return lambda: compile_graph(backend, specs, ext_metas, live_metas, the_plan,
-                                     spec_values, device_map)
+                                     spec_values, device_map, kernels)
 
     def graph_key(self, variant) -> GraphKey:
         return GraphKey(self.key, self.backend, variant)

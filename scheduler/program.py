@@ -217,19 +217,22 @@ def on_device(x, device_map):
     return x
 
 
-def host_call(device_map):
-    """An ``interpret`` ``call`` that runs each op with its devices mapped (None: no map)."""
-    if not device_map:
+def host_call(device_map, kernels=None):
+    """An ``interpret`` ``call`` that runs each op as the compute device runs it: devices
+    mapped, the device's own kernels where it has them (None: nothing to map)."""
+    if not device_map and not kernels:
         return None
+    device_map, kernels = device_map or {}, kernels or {}
 
     def call(n, spec, args, kwargs):
-        return spec.func(*[on_device(a, device_map) for a in args],
-                         **{k: on_device(v, device_map) for k, v in kwargs.items()})
+        return kernels.get(spec.func, spec.func)(
+            *[on_device(a, device_map) for a in args],
+            **{k: on_device(v, device_map) for k, v in kwargs.items()})
 
     return call
 
 
-def straight_line(specs, device_map=None) -> Callable:
+def straight_line(specs, device_map=None, kernels=None) -> Callable:
     """``interpret`` specialized to one program, for launches that pass every external.
 
     Returns ``run(exts, floats, targets)`` with ``interpret``'s meaning (ops of views of
@@ -275,7 +278,8 @@ def straight_line(specs, device_map=None) -> Callable:
                          + [f"{k}={expr(v, n)}" for k, v in spec.kwargs.items()])
         if spec.n_floats:
             lines.append(f"    r{n} = floats[{n}]")
-        lines.append(f"    res = {const(spec.func._op)}({call})")
+        impl = kernels.get(spec.func) if kernels else None
+        lines.append(f"    res = {const(impl or spec.func._op)}({call})")
         line_op[len(lines)] = n
         leaves = ["res"] if spec.tree == "one" else [f"res[{j}]" for j in range(len(spec.outs))]
         for o, leaf in zip(spec.outs, leaves):

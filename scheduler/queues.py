@@ -44,6 +44,9 @@ class Queue:
     # The compiler that fuses micro-graphs for this device when the engine's backend asks
     # for fusion (None: the requested backend, Inductor).
     compile_backend: str | None = None
+    # op -> the device's kernel, where the compute device's own kernel means something else
+    # (an emulated device running on CPU kernels); replays and compiled graphs use it.
+    kernels: dict = {}
 
     def prepare(self, x):
         return x
@@ -79,8 +82,9 @@ class NeuronQueue(Queue):
 
     def __init__(self):
         from adaptive_eager.neuron import hardware
-        from adaptive_eager.neuron.tensor import NeuronTensor
+        from adaptive_eager.neuron.tensor import DEVICE_KERNELS, NeuronTensor
 
+        self.kernels = DEVICE_KERNELS
         self._hw = hardware
         self._tensor_type = NeuronTensor
 

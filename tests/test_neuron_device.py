@@ -299,3 +299,33 @@ def test_ops_with_a_cpu_kernel_are_not_decomposed():
     F.silu(xd).sum().backward()
     F.silu(x.requires_grad_()).sum().backward()
     assert torch.equal(xd.grad.cpu(), x.grad)  # silu_backward: the CPU kernel, not its decomposition
+
+
+def test_tied_parameters_stay_one_parameter():
+    emb = nn.Embedding(10, 4)
+    head = nn.Linear(4, 10, bias=False)
+    head.weight = emb.weight
+    model = nn.Sequential(emb, head).to(DEV)
+    assert model[1].weight is model[0].weight and isinstance(model[0].weight, nn.Parameter)
+    ids = torch.tensor([[1, 2, 3, 1]], device=DEV)
+    F.cross_entropy(model(ids).view(-1, 10), ids.view(-1)).backward()
+
+    cpu = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False))
+    cpu[0].weight = nn.Parameter(model[0].weight.detach().cpu())
+    cpu[1].weight = cpu[0].weight
+    F.cross_entropy(cpu(ids.cpu()).view(-1, 10), ids.cpu().view(-1)).backward()
+    assert torch.equal(model[0].weight.grad.cpu(), cpu[0].weight.grad)  # both paths summed
+
+
+@pytest.mark.parametrize("p", [0.0, 0.1, 1.0])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_dropout_same_numbers_and_gradients_as_cpu(p, inplace):
+    def run(device):
+        torch.manual_seed(0)
+        x = torch.randn(64, 64).to(device).requires_grad_()
+        y = F.dropout(x * 1.0, p, training=True, inplace=inplace)
+        (y * 3).sum().backward()
+        return y.detach().cpu(), x.grad.cpu()
+
+    for a, b in zip(run(DEV), run("cpu")):
+        assert torch.equal(a, b)

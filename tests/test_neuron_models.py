@@ -42,3 +42,16 @@ def test_llama_generates_the_same_tokens_as_cpu():
         return out.cpu().tolist()
 
     assert generate("neuron") == generate("cpu")
+
+
+@pytest.mark.parametrize("name", [m for m in zoo.MODELS if m != "llama"])
+def test_zoo_model_trains_bitwise_like_cpu(name):
+    """Every model of the zoo: plain eager on the device gives the CPU's losses exactly."""
+    def losses(device):
+        model, batch = zoo.build(name, "tiny")
+        model.to(device)
+        batch = {k: v.to(device) for k, v in batch.items()}
+        step = zoo.train_step(model, batch)
+        return [step() for _ in range(2)]
+
+    assert losses("neuron") == losses("cpu")

@@ -90,6 +90,24 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, 
 _FLASH = int(torch._C._SDPBackend.FLASH_ATTENTION)
 
 
+def _dropout(input, p, train, *, inplace=False):
+    # The composite ``dropout`` takes the fused ``native_dropout`` kernel on any accelerator
+    # and the unfused form on the CPU: the same mask, a different rounding. The device
+    # computes what the CPU computes (the ops of ATen's CPU path, through autograd as there).
+    if p == 0 or not train or input.numel() == 0:
+        return input
+    if p == 1:
+        zero = torch.zeros((), dtype=input.dtype, device=input.device)
+        return input.mul_(zero) if inplace else input.mul(zero)
+    noise = torch.empty_like(input).bernoulli_(1 - p)
+    torch.ops.aten.div_.Scalar(noise, 1 - p)
+    return input.mul_(noise) if inplace else input.mul(noise)
+
+
+def _dropout_(input, p, train):
+    return _dropout(input, p, train, inplace=True)
+
+
 def _cpu_overrides():
     """aten ops with a CPU kernel *and* a decomposition that other devices get instead.
 
@@ -151,6 +169,8 @@ def register(launch_us: float) -> None:
     lib.impl("empty_strided", _empty_strided, "PrivateUse1")
     lib.impl("_copy_from", _copy_from, "PrivateUse1")
     lib.impl("scaled_dot_product_attention", _sdpa, "AutogradPrivateUse1")
+    lib.impl("dropout", _dropout, "AutogradPrivateUse1")
+    lib.impl("dropout_", _dropout_, "AutogradPrivateUse1")
     for name in _cpu_overrides():
         lib.impl(name[len("aten::"):], _unreachable(name), "PrivateUse1")
     _LIB = lib

@@ -80,6 +80,17 @@ class NeuronTensor(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         return _route(func)(func, args, kwargs or {})
 
+    # A wrapper over one inner tensor, declared so: ``Module.to("neuron")`` then swaps each
+    # parameter in place (``torch.utils.swap_tensors``) instead of making a new Parameter, so
+    # parameters shared between modules (tied embeddings) stay one object, as on CUDA.
+
+    def __tensor_flatten__(self):
+        return ["_b"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
+        return wrap(inner["_b"])
+
     # Storage: the backing's. What the engine reads to track aliasing and liveness
     # (Note [Liveness] in scheduler.launch) is then the same as for a CPU tensor.
 
@@ -162,6 +173,19 @@ def _route(func):
                                          train_at=names.index("train") if "train" in names else None)
         return _synced("random op")
     return _launch
+
+
+def _histc(self, bins=100, min=0, max=0):
+    # Accelerators count integer inputs too (Hugging Face MoE layers rely on it off the CPU);
+    # the CPU kernel has floating types only. Counting in float64 is exact for them.
+    if self.is_floating_point():
+        return aten.histc.default(self, bins, min, max)
+    return aten.histc.default(self.double(), bins, min, max).to(self.dtype)
+
+
+# The device's kernels where they differ from the CPU's: the op's meaning on an accelerator,
+# run on the backing tensors. The engine's replays of this device use them too.
+DEVICE_KERNELS = {aten.histc.default: _histc}
 
 
 # Not views by their schema, but the CPU kernel returns an alias of the input (the engine's
@@ -256,9 +280,10 @@ def _launch(func, args, kwargs):
     bargs = _map(snap, args)
     bkwargs = {k: _map(snap, v) for k, v in kwargs.items()}
     positions = plan.fresh
+    impl = DEVICE_KERNELS.get(func, func)
 
     def kernel():
-        res = func(*bargs, **bkwargs)
+        res = impl(*bargs, **bkwargs)
         if fresh:
             if plan.single:
                 fresh[0].copy_(res)
@@ -397,7 +422,8 @@ def _run_synced(func, args, kwargs, reason):
     box = []
     dev = hardware.get()
     stream = hardware.current_stream()
-    dev.launch(stream, lambda: box.append(func(*bargs, **bkwargs)), str(func))
+    impl = DEVICE_KERNELS.get(func, func)
+    dev.launch(stream, lambda: box.append(impl(*bargs, **bkwargs)), str(func))
     dev.wait_for(stream.last, reason)
     res = box[0]
     owners = {id(a._b): a for a in _iter_tensors((args, tuple(kwargs.values())))
