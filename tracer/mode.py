@@ -129,6 +129,10 @@ class AdaptiveEagerMode(TorchDispatchMode):
         node = S.node
         if node is None:  # untracked until the next boundary
             return self._run_cold(func, info, args, kwargs)
+        if func in _PLAIN_ALIASES and S.source(tensors[0]) is None:
+            # Note [Untracked aliases]
+            self.counters.ops_passthrough += 1
+            return func(*args, **kwargs)
         ext_view = info.cls is OpClass.VIEW and type(S.source(tensors[0])) is not Val
         try:
             op = observe(func, info, args, kwargs, tensors, S.source, ext_view)
@@ -353,6 +357,16 @@ def skip_rule_lookup() -> None:
     ns: dict = {}
     exec(compile(src, registry.__file__, "exec"), registry.__dict__, ns)
     fn.__code__ = ns["find_torch_dispatch_rule"].__code__
+
+
+# Note [Untracked aliases]: ``detach``/``alias`` of a tensor the segment has not seen (the
+# output of a boundary op, a new batch) aliases data the engine does not own: recording it
+# would only make the new object a segment value, held by a weak reference. It runs as it
+# is; ops on the result see it as a new external, as they would its input. Not holding it
+# matters: ``Module.to()`` swaps each new parameter into place (``torch.utils.swap_tensors``)
+# for wrapper-subclass devices, which refuses a tensor with a weak reference, and
+# ``nn.Parameter(t)`` is a ``detach`` of ``t``.
+_PLAIN_ALIASES = frozenset({torch.ops.aten.detach.default, torch.ops.aten.alias.default})
 
 
 def _crosses_devices(tensors, kwargs) -> bool:
