@@ -13,11 +13,9 @@ launch, from ``adaptive_eager.neuron.counters()``), and the host's time to issue
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
-import time
 import warnings
 
 warnings.filterwarnings("ignore")
@@ -26,27 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import adaptive_eager.neuron as neuron  # noqa: E402
+from benchmarks import emulated  # noqa: E402
 from benchmarks.zoo import build  # noqa: E402
-
-
-def _setup(device, size):
-    model, batch = build("llama", size)
-    model.to(device)
-    batch = {k: v.to(device) for k, v in batch.items()}
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    return model, batch, opt
-
-
-def _step(model, batch, opt):
-    """One training step; returns (loss, host seconds to issue it, wall seconds)."""
-    t0 = time.perf_counter()
-    loss = model(**batch).loss
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    issued = time.perf_counter() - t0
-    value = loss.item()
-    return value, issued, time.perf_counter() - t0
 
 
 def _generate(device, size):
@@ -59,25 +38,13 @@ def _generate(device, size):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--size", default="issue", choices=("issue", "m", "tiny"))
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--latencies", default="0,10,50")
-    a = p.parse_args(argv)
-    try:
-        lats = [float(x) for x in a.latencies.split(",")]
-        if any(x < 0 for x in lats):
-            raise ValueError
-    except ValueError:
-        p.error(f"--latencies {a.latencies!r} is not valid; accepted: a comma list of "
-                "numbers >= 0 (microseconds)")
-    if not neuron.is_emulated():
-        p.error("torch-neuronx is installed: this benchmark models the emulated device")
+    p = emulated.parser(__doc__)
+    a, lats = emulated.parse(p, argv)
 
-    cpu = _setup("cpu", a.size)
-    dev = _setup("neuron", a.size)
-    ref = [_step(*cpu)[0] for _ in range(3)]
-    got = [_step(*dev)[0] for _ in range(3)]
+    cpu = emulated.timed_llama_step("cpu", a.size)
+    dev = emulated.timed_llama_step("neuron", a.size)
+    ref = [cpu()[0] for _ in range(3)]
+    got = [dev()[0] for _ in range(3)]
     tokens_equal = _generate("neuron", a.size) == _generate("cpu", a.size)
     print(f"llama ({a.size}) on neuron vs cpu: losses {'equal' if got == ref else 'DIFFER'} "
           f"over 3 steps ({got[-1]:.6f}); generate(16 tokens) "
@@ -90,11 +57,11 @@ def main(argv=None):
     print("|---|---|---|---|---|---|")
     for lat in lats:
         neuron.set_launch_latency_us(lat)
-        _step(*dev)
+        dev()
         walls, issues, launches, busy = [], [], [], []
         for _ in range(a.steps):
             c0 = neuron.counters()
-            _, issued, wall = _step(*dev)
+            _, issued, wall = dev()
             c1 = neuron.counters()
             walls.append(wall)
             issues.append(issued)
@@ -107,7 +74,7 @@ def main(argv=None):
         print(f"| {lat:g} us | {n:g} | {wall:.2f} | {floor:.2f} | "
               f"{statistics.median(busy) * 1e3:.2f} | {statistics.median(issues) * 1e3:.2f} |"
               + ("" if honest else "  WALL BELOW FLOOR"))
-    cpu_walls = [_step(*cpu)[2] for _ in range(a.steps)]
+    cpu_walls = [cpu()[2] for _ in range(a.steps)]
     print()
     print(f"the same step on cpu, plain eager: {statistics.median(cpu_walls) * 1e3:.2f} ms")
 

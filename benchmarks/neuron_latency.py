@@ -15,11 +15,9 @@ of every run equal eager's.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
-import time
 import warnings
 
 warnings.filterwarnings("ignore")
@@ -30,26 +28,7 @@ import torch  # noqa: E402
 
 import adaptive_eager as ae  # noqa: E402
 import adaptive_eager.neuron as neuron  # noqa: E402
-from benchmarks.zoo import build  # noqa: E402
-
-
-def _setup(size):
-    model, batch = build("llama", size)
-    model.to("neuron")
-    batch = {k: v.to("neuron") for k, v in batch.items()}
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-    def step():
-        t0 = time.perf_counter()
-        loss = model(**batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        issued = time.perf_counter() - t0
-        value = loss.item()
-        return value, issued, time.perf_counter() - t0
-
-    return step
+from benchmarks import emulated  # noqa: E402
 
 
 def _measure(step, steps):
@@ -63,23 +42,12 @@ def _measure(step, steps):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = emulated.parser(__doc__)
     p.add_argument("--backend", default="exact", choices=("exact", "inductor"))
-    p.add_argument("--size", default="issue", choices=("issue", "m", "tiny"))
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--latencies", default="0,10,50")
-    a = p.parse_args(argv)
-    try:
-        lats = [float(x) for x in a.latencies.split(",")]
-        if any(x < 0 for x in lats):
-            raise ValueError
-    except ValueError:
-        p.error(f"--latencies {a.latencies!r} is not valid; accepted: a comma list of "
-                "numbers >= 0 (microseconds)")
-    if not neuron.is_emulated():
-        p.error("torch-neuronx is installed: this benchmark models the emulated device")
+    a, lats = emulated.parse(p, argv)
 
-    eager_step, engine_step = _setup(a.size), _setup(a.size)
+    eager_step = emulated.timed_llama_step("neuron", a.size)
+    engine_step = emulated.timed_llama_step("neuron", a.size)
     eager_warm = [eager_step()[0] for _ in range(3)]
     with ae.enabled(backend=a.backend, devices=("neuron",)):
         engine_warm = [engine_step()[0] for _ in range(3)]

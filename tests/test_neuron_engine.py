@@ -79,26 +79,27 @@ def test_mlp_inductor_close():
     assert ae.stats().graphs_compiled >= 1
 
 
+def zoo_run(name, size, device, engine, steps):
+    """Train a zoo model ``steps`` steps: (losses, device launches per step)."""
+    zoo = pytest.importorskip("benchmarks.zoo")
+    model, batch = zoo.build(name, size)
+    model.to(device)
+    batch = {k: v.to(device) for k, v in batch.items()}
+    step = zoo.train_step(model, batch)
+    out, per = [], []
+    with (ae.enabled(backend="exact") if engine else contextlib.nullcontext()):
+        for _ in range(steps):
+            d = device_launches() if device == DEV else 0
+            out.append(step())
+            per.append(device_launches() - d if device == DEV else 0)
+    return out, per
+
+
 def test_llama_hot_step_at_most_three_launches_bitwise():
     pytest.importorskip("transformers")
-    zoo = pytest.importorskip("benchmarks.zoo")
-
-    def run(device, engine):
-        model, batch = zoo.build("llama", "issue")
-        model.to(device)
-        batch = {k: v.to(device) for k, v in batch.items()}
-        step = zoo.train_step(model, batch)
-        out, per = [], []
-        with (ae.enabled(backend="exact") if engine else contextlib.nullcontext()):
-            for _ in range(6):
-                d = device_launches() if device == DEV else 0
-                out.append(step())
-                per.append(device_launches() - d if device == DEV else 0)
-        return out, per
-
-    ref, _ = run("cpu", False)
-    eager, eager_per = run(DEV, False)
-    got, per = run(DEV, True)
+    ref, _ = zoo_run("llama", "issue", "cpu", False, 6)
+    eager, eager_per = zoo_run("llama", "issue", DEV, False, 6)
+    got, per = zoo_run("llama", "issue", DEV, True, 6)
     assert eager == ref, (eager, ref)
     assert got == ref, (got, ref, ae.stats().fallbacks)
     assert min(eager_per) > 300  # plain eager on the device: one launch per op
@@ -303,22 +304,7 @@ def test_zoo_models_under_the_engine_on_the_device_bitwise(name):
     """Tied embeddings, dropout drawing numbers, integer histc and data-dependent indexing:
     the engine on the device gives the CPU's losses, in a few launches per hot step."""
     pytest.importorskip("transformers")
-    zoo = pytest.importorskip("benchmarks.zoo")
-
-    def run(device, engine):
-        model, batch = zoo.build(name, "tiny")
-        model.to(device)
-        batch = {k: v.to(device) for k, v in batch.items()}
-        step = zoo.train_step(model, batch)
-        out, per = [], []
-        with (ae.enabled(backend="exact") if engine else contextlib.nullcontext()):
-            for _ in range(5):
-                d = device_launches() if engine else 0
-                out.append(step())
-                per.append(device_launches() - d if engine else 0)
-        return out, per
-
-    ref, _ = run("cpu", False)
-    got, per = run(DEV, True)
+    ref, _ = zoo_run(name, "tiny", "cpu", False, 5)
+    got, per = zoo_run(name, "tiny", DEV, True, 5)
     assert got == ref
     assert max(per[-2:]) <= (8 if name == "qwen2moe" else 3)  # MoE: counted index boundaries

@@ -173,14 +173,17 @@ class Device:
         if len(inflight) < depth:
             return False
         while len(inflight) >= depth:
-            oldest = inflight[0]
-            if not oldest.done:
-                with self._cv:
-                    while not oldest.done:
-                        self._cv.wait()
-            _wait_until(oldest.end)
+            self._wait_end(inflight[0])
             inflight.popleft()
         return True
+
+    def _wait_end(self, launch: _Launch) -> None:
+        """Block until ``launch`` has run and its modelled end has passed."""
+        if not launch.done:
+            with self._cv:
+                while not launch.done:
+                    self._cv.wait()
+        _wait_until(launch.end)
 
     # -- the worker (device side) ---------------------------------------------------
 
@@ -233,11 +236,7 @@ class Device:
         c.syncs += 1
         c.syncs_by_reason[reason] = c.syncs_by_reason.get(reason, 0) + 1
         if launch is not None:
-            if not launch.done:
-                with self._cv:
-                    while not launch.done:
-                        self._cv.wait()
-            _wait_until(launch.end)
+            self._wait_end(launch)
         self.raise_pending()
 
     def synchronize(self, reason: str = "synchronize") -> None:
