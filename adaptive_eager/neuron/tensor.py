@@ -293,7 +293,7 @@ def _launch(func, args, kwargs):
                 for b, i in zip(fresh, positions):
                     b.copy_(leaves[i])
 
-    hardware.get().launch(hardware.current_stream(), kernel, str(func))
+    hardware.get().launch(hardware.current_stream(), kernel, func)
     if plan.single:
         return outs[0]
     return _rebuild(plan.template, iter(outs))
@@ -423,7 +423,7 @@ def _run_synced(func, args, kwargs, reason):
     dev = hardware.get()
     stream = hardware.current_stream()
     impl = DEVICE_KERNELS.get(func, func)
-    dev.launch(stream, lambda: box.append(impl(*bargs, **bkwargs)), str(func))
+    dev.launch(stream, lambda: box.append(impl(*bargs, **bkwargs)), func)
     dev.wait_for(stream.last, reason)
     res = box[0]
     owners = {id(a._b): a for a in _iter_tensors((args, tuple(kwargs.values())))
