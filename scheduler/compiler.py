@@ -18,6 +18,7 @@ import collections
 import contextlib
 import logging
 import queue
+import sys
 import threading
 import time
 
@@ -95,7 +96,7 @@ _RNG_GUARDED = False
 
 
 def _guard_user_rng() -> None:
-    global _RNG_GUARDED
+    global _RNG_GUARDED, _ORIGINAL_PRESERVE, _GUARDED_PRESERVE
     if _RNG_GUARDED:
         return
     from torch._dynamo import utils
@@ -110,8 +111,26 @@ def _guard_user_rng() -> None:
         with original():
             yield
 
-    utils.preserve_rng_state = preserve_rng_state
+    _ORIGINAL_PRESERVE, _GUARDED_PRESERVE = original, preserve_rng_state
+    # Modules that imported the name itself hold the original: AOTAutograd's, which
+    # Inductor's pattern matcher runs when it first initializes its patterns (lazily, inside
+    # a compile: found as a rewound dropout stream in CI), and autotuning's. Import them now
+    # and rebind the name wherever it was copied (torch._dynamo.utils included).
+    import torch._functorch.aot_autograd  # noqa: F401
+    import torch._inductor.select_algorithm  # noqa: F401
+
+    _rebind_copies()
     _RNG_GUARDED = True
+
+
+_ORIGINAL_PRESERVE = _GUARDED_PRESERVE = None
+
+
+def _rebind_copies() -> None:
+    for name, module in list(sys.modules.items()):
+        held = getattr(module, "preserve_rng_state", None) if name.startswith("torch") else None
+        if held is not None and held is _ORIGINAL_PRESERVE:
+            module.preserve_rng_state = _GUARDED_PRESERVE
 
 
 _THREAD_NAME = "adaptive_eager-compiler"

@@ -86,3 +86,45 @@ def test_compile_thread_does_not_rewind_the_generator():
     with utils.preserve_rng_state():
         torch.rand(4)
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_every_copy_of_the_rng_context_manager_is_guarded():
+    """Note [Compiles must not touch the user's generator]: modules that imported
+    ``preserve_rng_state`` by name (AOTAutograd's copy runs when Inductor's pattern matcher
+    initializes its patterns inside a compile) get the guarded one too."""
+    import sys
+    import threading
+    import types
+
+    from adaptive_eager.scheduler import compiler
+
+    compiler._guard_user_rng()
+    probe = types.ModuleType("torch._adaptive_eager_probe")
+    probe.preserve_rng_state = compiler._ORIGINAL_PRESERVE  # a copy made before the guard
+    sys.modules[probe.__name__] = probe
+    try:
+        compiler._rebind_copies()
+        preserve = probe.preserve_rng_state
+    finally:
+        del sys.modules[probe.__name__]
+    from torch._functorch import aot_autograd
+
+    assert aot_autograd.preserve_rng_state is preserve is compiler._GUARDED_PRESERVE
+    torch.manual_seed(7)
+    expect = [torch.rand(3), torch.rand(3)]
+    entered, drawn = threading.Event(), threading.Event()
+
+    def compile_like():
+        with preserve():
+            entered.set()
+            drawn.wait(10)
+
+    torch.manual_seed(7)
+    t = threading.Thread(target=compile_like, name=compiler._THREAD_NAME)
+    t.start()
+    entered.wait(10)
+    first = torch.rand(3)  # the training loop draws while the compile runs
+    drawn.set()
+    t.join(10)
+    second = torch.rand(3)
+    assert torch.equal(first, expect[0]) and torch.equal(second, expect[1])
