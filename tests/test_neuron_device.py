@@ -11,6 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import adaptive_eager.neuron as neuron
+from conftest import wait_compiles
 
 pytestmark = pytest.mark.skipif(not neuron.is_emulated(), reason="torch-neuronx is installed")
 
@@ -157,6 +158,10 @@ def test_state_dict_save_load(map_location):
 
 
 def test_manual_seed_same_numbers_as_cpu():
+    # Compiles left running in the background by earlier test files perturbed the CPU
+    # generator once in clean CI (mechanism not found yet; see the issue note): this test
+    # is about the device, so it starts with none in flight.
+    wait_compiles()
     def draw(device):
         torch.manual_seed(3)
         a = torch.randn(5, device=device)
