@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from .program import Ext, Meta, interpret, on_device, straight_line
+from .program import Ext, Meta, interpret, meta_on, on_compute, straight_line
 from .scalars import Lifted, lift_call, liftable
 
 __all__ = ["Graph", "Plan", "plan", "compile_graph", "BACKENDS"]
@@ -144,10 +144,8 @@ def trace(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values: tuple
     ``device_map`` (device type -> device) names where the kernels run when that is not the
     recorded device (an emulated device's backing CPU tensors).
     """
-    if device_map:
-        ext_metas = [m._replace(device=device_map.get(m.device.type, m.device)) for m in ext_metas]
-        live_metas = {i: m._replace(device=device_map.get(m.device.type, m.device))
-                      for i, m in live_metas.items()}
+    ext_metas = [meta_on(m, device_map) for m in ext_metas]
+    live_metas = {i: meta_on(m, device_map) for i, m in live_metas.items()}
     from torch._inductor.decomposition import select_decomp_table
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -175,10 +173,7 @@ def trace(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values: tuple
             return Lifted(aten.select.int(packed, 0, p))
 
         def call(n, spec, args, kwargs):
-            if device_map:
-                args = [on_device(a, device_map) for a in args]
-                kwargs = {k: on_device(v, device_map) for k, v in kwargs.items()}
-            func = kernels.get(spec.func, spec.func) if kernels else spec.func
+            func, args, kwargs = on_compute(spec, args, kwargs, device_map, kernels)
             if n in the_plan.lifted_ops:
                 res = lift_call(func, args, kwargs)
             else:
@@ -208,10 +203,7 @@ def _as_recorded(spec, res, device_map=None):
     changed = False
     for j, (o, t) in enumerate(zip(spec.outs, leaves)):
         if o.kind == "fresh" and t is not None and t.stride() != o.meta.stride:
-            meta = o.meta
-            if device_map:
-                meta = meta._replace(device=device_map.get(meta.device.type, meta.device))
-            leaves[j] = _fake_like(meta).copy_(t)
+            leaves[j] = _fake_like(meta_on(o.meta, device_map)).copy_(t)
             changed = True
     if not changed:
         return res

@@ -217,17 +217,33 @@ def on_device(x, device_map):
     return x
 
 
+def on_compute(spec, args, kwargs, device_map, kernels):
+    """(function, args, kwargs) of one recorded op as the compute device runs it: devices
+    mapped, the device's own kernel where it has one. Either map may be None."""
+    func = kernels.get(spec.func, spec.func) if kernels else spec.func
+    if device_map:
+        args = [on_device(a, device_map) for a in args]
+        kwargs = {k: on_device(v, device_map) for k, v in kwargs.items()}
+    return func, args, kwargs
+
+
+def meta_on(meta: "Meta", device_map) -> "Meta":
+    """``meta`` on the compute device named in ``device_map`` for its device, if any."""
+    if not device_map:
+        return meta
+    device = device_map.get(meta.device.type)
+    return meta if device is None else meta._replace(device=device)
+
+
 def host_call(device_map, kernels=None):
-    """An ``interpret`` ``call`` that runs each op as the compute device runs it: devices
-    mapped, the device's own kernels where it has them (None: nothing to map)."""
+    """An ``interpret`` ``call`` that runs each op as the compute device runs it (None:
+    nothing to map)."""
     if not device_map and not kernels:
         return None
-    device_map, kernels = device_map or {}, kernels or {}
 
     def call(n, spec, args, kwargs):
-        return kernels.get(spec.func, spec.func)(
-            *[on_device(a, device_map) for a in args],
-            **{k: on_device(v, device_map) for k, v in kwargs.items()})
+        func, args, kwargs = on_compute(spec, args, kwargs, device_map, kernels)
+        return func(*args, **kwargs)
 
     return call
 

@@ -163,7 +163,7 @@ def _route(func):
     if func.is_view or func in _ALIASES_ON_CPU:
         return _view
     schema = func._schema
-    if not any(_is_tensor_type(r.type) for r in schema.returns) and schema.returns:
+    if schema.returns and not any("Tensor" in str(r.type) for r in schema.returns):
         return _synced("it returns no tensor")
     if torch.Tag.nondeterministic_seeded in func.tags:
         names = [a.name for a in schema.arguments]
@@ -191,11 +191,6 @@ DEVICE_KERNELS = {aten.histc.default: _histc}
 # Not views by their schema, but the CPU kernel returns an alias of the input (the engine's
 # op table treats them as views too): metadata only, no launch.
 _ALIASES_ON_CPU = frozenset({aten._unsafe_view.default})
-
-
-def _is_tensor_type(t) -> bool:
-    text = str(t)
-    return "Tensor" in text
 
 
 def _view(func, args, kwargs):
@@ -450,11 +445,7 @@ def _dropout_like(func, args, kwargs, at, train_at):
 
 
 def _synced(reason):
-    return functools.partial(_synced_op, reason=reason)
-
-
-def _synced_op(func, args, kwargs, reason):
-    return _run_synced(func, args, kwargs, reason)
+    return functools.partial(_run_synced, reason=reason)
 
 
 def _backing(x):
@@ -525,10 +516,6 @@ def copy_into(dst, src):
     return _launch(aten.copy_.default, (dst, src), {})
 
 
-def _local_scalar(func, args, kwargs):
-    return _run_synced(func, args, kwargs, "value read (item)")
-
-
 def _resize_(func, args, kwargs):
     t, size = args[0], args[1]
     if tuple(t.shape) == tuple(size):
@@ -566,7 +553,7 @@ def _unsupported(func, args, kwargs):
 _SPECIAL = {
     aten._to_copy.default: _to_copy,
     aten.copy_.default: _copy_,
-    aten._local_scalar_dense.default: _local_scalar,
+    aten._local_scalar_dense.default: _synced("value read (item)"),
     aten.resize_.default: _resize_,
     aten.set_.source_Storage: _unsupported,
     aten.set_.source_Storage_storage_offset: _set_storage,
