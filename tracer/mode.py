@@ -331,32 +331,36 @@ AdaptiveEagerMode.__torch_dispatch__ = _dispatch
 # attribute): ~1 us on every op, about a fifth of the whole interception floor. The C++ side
 # keeps a reference to that function object, so rebinding the module attribute would not be
 # seen; instead its code is replaced, once, by code that answers None for this engine's mode
-# at once and calls the original code for every other class. Consequence, stated: rules
-# registered for ``AdaptiveEagerMode`` itself are not consulted (the engine registers none).
+# (and the benchmarks' floor mode) at once and calls the original code for every other
+# class. Consequence, stated: rules registered for ``AdaptiveEagerMode`` itself are not
+# consulted (the engine registers none).
 
 
-def skip_rule_lookup() -> None:
-    """Install Note [Dispatch rule lookup] (idempotent)."""
+def skip_rule_lookup(cls: type | None = None) -> None:
+    """Install Note [Dispatch rule lookup] for ``cls`` (default: the engine's mode;
+    idempotent). The benchmarks' interception floor uses it too, so that the floor is not
+    charged a lookup the engine does not pay."""
     import types
 
     from torch._library import simple_registry as registry
 
-    fn = registry.find_torch_dispatch_rule
-    if getattr(registry, "_adaptive_eager_mode", None) is AdaptiveEagerMode:
-        return
-    registry._adaptive_eager_original = types.FunctionType(
-        fn.__code__, registry.__dict__, fn.__name__, fn.__defaults__, fn.__closure__
-    )
-    registry._adaptive_eager_mode = AdaptiveEagerMode
-    src = (
-        "def find_torch_dispatch_rule(op, torch_dispatch_class):\n"
-        "    if torch_dispatch_class is _adaptive_eager_mode:\n"
-        "        return None\n"
-        "    return _adaptive_eager_original(op, torch_dispatch_class)\n"
-    )
-    ns: dict = {}
-    exec(compile(src, registry.__file__, "exec"), registry.__dict__, ns)
-    fn.__code__ = ns["find_torch_dispatch_rule"].__code__
+    skipped = getattr(registry, "_adaptive_eager_modes", None)
+    if skipped is None:
+        fn = registry.find_torch_dispatch_rule
+        registry._adaptive_eager_original = types.FunctionType(
+            fn.__code__, registry.__dict__, fn.__name__, fn.__defaults__, fn.__closure__
+        )
+        skipped = registry._adaptive_eager_modes = set()
+        src = (
+            "def find_torch_dispatch_rule(op, torch_dispatch_class):\n"
+            "    if torch_dispatch_class in _adaptive_eager_modes:\n"
+            "        return None\n"
+            "    return _adaptive_eager_original(op, torch_dispatch_class)\n"
+        )
+        ns: dict = {}
+        exec(compile(src, registry.__file__, "exec"), registry.__dict__, ns)
+        fn.__code__ = ns["find_torch_dispatch_rule"].__code__
+    skipped.add(cls or AdaptiveEagerMode)
 
 
 # Note [Untracked aliases]: ``detach``/``alias`` of a tensor the segment has not seen (the

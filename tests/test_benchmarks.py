@@ -1,0 +1,142 @@
+"""`python -m benchmarks` cannot rot: every workload x mode runs a step in tiny sizes, the JSON
+holds every figure, and bad flags get a one-line error naming the value and the accepted ones.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import adaptive_eager as ae
+from conftest import Delta
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks import suite  # noqa: E402
+from benchmarks.workloads import WORKLOADS  # noqa: E402
+
+
+def _suite(*args, timeout=900):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "benchmarks", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+TINY = ("--size", "tiny", "--repeat", "1", "--warm-steps", "2", "--warmup-s", "0",
+        "--workloads", ",".join(suite.WORKLOAD_NAMES))
+
+
+@pytest.mark.parametrize("device", ["cpu", "neuron"])
+def test_every_workload_and_mode_runs_a_step(device, tmp_path):
+    out = tmp_path / "r.json"
+    r = _suite(*TINY, "--device", device, "--json", str(out))
+    failed = [ln for ln in r.stdout.splitlines() if "FAILED" in ln]
+    assert r.returncode == 0, (failed, r.stdout[-2000:], r.stderr[-3000:])
+    res = json.loads(out.read_text())
+    ran = {(row["workload"], row["mode"]) for row in res["rows"]}
+    skipped = set(res["not_applicable"])
+    if device == "cpu":
+        assert not skipped
+    else:  # the emulated device has no torch.compile backend; lazy is cpu only
+        assert skipped == {"torch.compile", "torch._lazy"}
+    modes = [m for m in suite.MODE_NAMES if m not in skipped]
+    assert ran == {(w, m) for w in suite.WORKLOAD_NAMES for m in modes}
+    assert res["failed"] == []
+    for row in res["rows"]:
+        assert row["step_s"] > 0 and row["ops"] > 0 and len(row["warm_s"]) >= 2
+        assert row["speedup"] is not None and row["x_floor"] is not None
+        if row["mode"].startswith("adaptive"):  # deferred: fewer launches than ops
+            assert row["launches"] < row["ops"], row
+    # the table is printed, with a row per workload x mode
+    assert r.stdout.count("\n| ") == 1 + len(ran)
+    assert res["machine"]["torch"] == torch.__version__
+
+
+@pytest.mark.parametrize("args, bad, accepted", [
+    (["--device", "tpu"], "'tpu'", "neuron, cpu, cuda"),
+    (["--workloads", "chain-small,resnet"], "resnet", "chain-small, chain-large"),
+    (["--modes", "eager,xla"], "xla", "eager, adaptive, adaptive-exact"),
+    (["--launch-us", "10,fast"], "'10,fast'", "a comma list of numbers >= 0"),
+    (["--repeat", "0"], "'0'", "an integer >= 1"),
+    (["--device", "cpu", "--launch-us", "5"], "'5'", "--device neuron only"),
+])
+def test_bad_flags_name_the_value_and_the_accepted_ones(args, bad, accepted, capsys):
+    with pytest.raises(SystemExit) as e:
+        suite.parse(args)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert bad in err and accepted in err
+
+
+def test_floor_mode_returns_recorded_outputs_and_runs_nothing():
+    from benchmarks.modes import FloorMode
+
+    x = torch.randn(8)
+    calls = []
+
+    def step():
+        calls.append(1)
+        return (x * 2 + 1).sum()
+
+    m = FloorMode()
+    outs = []
+    with m:
+        for _ in range(5):
+            m.begin_step()
+            outs.append(step())
+    assert len({id(o) for o in outs[:3]}) == 3  # run for real until the recorded step
+    assert outs[4] is outs[3] is outs[2]  # then the recorded object, nothing computed
+    assert m.misses == 0 and len(m.recorded) == 3
+
+
+def test_in_repo_llama_when_transformers_is_absent(monkeypatch):
+    """Without transformers the llama workloads use the in-repo model: it trains, decodes,
+    and replays bitwise under the engine."""
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import raises ImportError
+    w = WORKLOADS["llama-train"]("cpu", "tiny")
+    assert "in-repo" in w.note
+    ref = [w.step() for _ in range(4)]
+    w = WORKLOADS["llama-train"]("cpu", "tiny")
+    with ae.enabled(devices=("cpu",), backend="exact"):
+        got = [w.step() for _ in range(3)]
+        d = Delta()
+        got.append(w.step())
+    assert got == ref
+    assert d.replays >= 1 and d.launches < d.ops_intercepted // 10
+    dec = WORKLOADS["llama-decode"]("cpu", "tiny")
+    eager = dec.body()
+    assert eager.shape == (1, 8 + 16)
+    with ae.enabled(devices=("cpu",), backend="exact"):
+        for _ in range(3):
+            assert torch.equal(dec.body(), eager)
+
+
+def test_floor_and_engine_skip_the_rule_lookup_other_modes_keep_it():
+    """Note [Dispatch rule lookup]: neither the engine's mode nor the floor pays the per-op
+    rule lookup; a rule registered for any other mode class is still found."""
+    from torch._library import simple_registry as registry
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from adaptive_eager.tracer.mode import AdaptiveEagerMode, skip_rule_lookup
+    from benchmarks.modes import FloorMode
+
+    class Other(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args, kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    skip_rule_lookup()
+    lib = torch.library.Library("aten", "FRAGMENT")  # noqa: TOR901
+    rule = lambda mode, func, types, args, kwargs: "rule"  # noqa: E731
+    op = torch.ops.aten.sin.default
+    for cls in (Other, FloorMode, AdaptiveEagerMode):
+        torch.library.register_torch_dispatch(op, cls, rule, lib=lib)
+    try:
+        assert registry.find_torch_dispatch_rule(op, Other) is rule
+        assert registry.find_torch_dispatch_rule(op, FloorMode) is None
+        assert registry.find_torch_dispatch_rule(op, AdaptiveEagerMode) is None
+    finally:
+        lib._destroy()
