@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import datetime
+import itertools
 import json
 import os
 import platform
@@ -437,23 +438,32 @@ def plot(rows, path):
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for (wl, mode) in sorted({(r["workload"], r["mode"]) for r in rows}):
-        if mode in ("eager", "floor"):
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    colour = {w: f"C{i}" for i, w in enumerate(workloads)}
+    style = {"adaptive": "-", "adaptive-exact": "--", "torch.compile": ":", "torch._lazy": "-."}
+    for (wl, mode) in dict.fromkeys((r["workload"], r["mode"]) for r in rows):
+        if mode not in style:
             continue
+        kw = dict(color=colour[wl], ls=style[mode], label=f"{wl} / {mode}")
         pts = sorted((r["launch_us"], r["speedup"]) for r in rows
                      if r["workload"] == wl and r["mode"] == mode
                      and r["launch_us"] is not None and r["speedup"])
-        if pts:
-            ax1.plot(*zip(*pts), marker="o", label=f"{wl} / {mode}")
+        if len(pts) > 1:
+            ax1.plot(*zip(*pts), marker="o", **kw)
         first = next(r for r in rows if r["workload"] == wl and r["mode"] == mode)
         eager = next((r for r in rows if r["workload"] == wl and r["mode"] == "eager"), None)
-        if eager:
-            ax2.plot([t / eager["step_s"] for t in first["warm_s"]], label=f"{wl} / {mode}")
-    ax1.set(xlabel="launch latency (µs)", ylabel="speedup vs eager", title="speedup")
-    ax2.set(xlabel="step", ylabel="step time ÷ eager median", yscale="log", title="warm-up")
+        if eager:  # step time against the wall time since the first step
+            t = list(itertools.accumulate(first["warm_s"]))
+            ax2.plot(t, [x / eager["step_s"] for x in first["warm_s"]], **kw)
+    ax1.set(xlabel="launch latency (µs)", ylabel="speedup vs eager",
+            title="speedup vs launch latency (neuron)")
+    ax1.axhline(1.0, color="grey", lw=0.8)
+    ax2.set(xlabel="seconds since the first step", ylabel="step time ÷ eager median",
+            xscale="symlog", yscale="log", title="warm-up")
     ax2.axhline(1.0, color="grey", lw=0.8)
-    ax1.legend(fontsize=6)
-    ax2.legend(fontsize=6)
+    for ax in (ax1, ax2):
+        if ax.lines[1:]:
+            ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -140,3 +140,24 @@ def test_floor_and_engine_skip_the_rule_lookup_other_modes_keep_it():
         assert registry.find_torch_dispatch_rule(op, AdaptiveEagerMode) is None
     finally:
         lib._destroy()
+
+
+def test_plot_needs_matplotlib_says_so_in_one_line(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(SystemExit):
+        suite.parse(["--plot", "x.png"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "matplotlib" in err and "pip install" in err
+
+
+def test_plot_draws_speedup_and_warm_up(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = []
+    for lat in (0.0, 10.0, 50.0):
+        for mode, t in (("eager", 2.0), ("adaptive", 1.0), ("floor", 0.5)):
+            rows.append(dict(workload="w", mode=mode, launch_us=lat, step_s=t * (1 + lat / 50),
+                             warm_s=[5.0, 3.0, 1.0], speedup=None))
+    for r in rows:
+        r["speedup"] = 2.0 if r["mode"] == "adaptive" else 1.0
+    suite.plot(rows, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 10_000
