@@ -195,8 +195,16 @@ class Compiler:
             self._thread.start()
 
     def _loop(self):
-        _guard_user_rng()
-        _quiet_failed_traces()
+        try:
+            _guard_user_rng()  # imports Inductor: seconds, on this thread
+            _quiet_failed_traces()
+        except RuntimeError:
+            # The program ended while this thread was still importing: the interpreter's
+            # shutdown refuses what the import registers ("can't register atexit after
+            # shutdown"). Nothing is waiting for a compile any more: end quietly.
+            if not threading.main_thread().is_alive():
+                return
+            raise
         while True:
             generation, job = self._queue.get()
             if job is None:

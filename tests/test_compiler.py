@@ -128,3 +128,28 @@ def test_every_copy_of_the_rng_context_manager_is_guarded():
     t.join(10)
     second = torch.rand(3)
     assert torch.equal(first, expect[0]) and torch.equal(second, expect[1])
+
+
+def test_program_ending_during_the_first_compile_exits_quietly():
+    """A short program that ends while the compiler thread still imports Inductor: the
+    interpreter's shutdown refuses the import's atexit registration, which used to print a
+    traceback from the compiler thread after the user's last line."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import torch, adaptive_eager as ae
+        x = torch.randn(256)
+        with ae.enabled(devices=("cpu",), backend="inductor"):
+            for _ in range(4):
+                y = x
+                for _ in range(8):
+                    y = y * 1.0001 + 0.5
+                y.sum().item()
+        print("done")
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "done", r.stderr[-2000:]
+    assert "Traceback" not in r.stderr, r.stderr[-2000:]
