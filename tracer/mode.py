@@ -351,9 +351,11 @@ def skip_rule_lookup(cls: type | None = None) -> None:
             fn.__code__, registry.__dict__, fn.__name__, fn.__defaults__, fn.__closure__
         )
         skipped = registry._adaptive_eager_modes = set()
-        src = (
+        registry._adaptive_eager_mode = AdaptiveEagerMode
+        src = (  # the engine's class by identity first: it is asked on every op
             "def find_torch_dispatch_rule(op, torch_dispatch_class):\n"
-            "    if torch_dispatch_class in _adaptive_eager_modes:\n"
+            "    if (torch_dispatch_class is _adaptive_eager_mode\n"
+            "            or torch_dispatch_class in _adaptive_eager_modes):\n"
             "        return None\n"
             "    return _adaptive_eager_original(op, torch_dispatch_class)\n"
         )
