@@ -280,11 +280,51 @@ def run_workload(name, a, results, log):
                 iqr_s=q[2] - q[0], rounds_s=t, steps_per_round=n, launches=launches,
                 ops=ops, warm_s=warm[mode], compiles_capped=capped[mode],
                 floor_misses=run.floor.misses if run.floor else None, note=run.note))
+    peak = {}
+    for mode, run in runs.items():  # one more hot step each, under the memory probe
+        try:
+            peak[mode] = threads[mode](peak_step_bytes, run, a.device)
+        except Exception as e:  # noqa: BLE001
+            failed(mode, e)
+    for row in rows:
+        row["peak_bytes"] = peak.get(row["mode"])
     for mode, run in runs.items():  # leave nothing queued or deferred behind
         threads[mode](_settle, run, a.device)
     for t in threads.values():
         t.close()
     return rows
+
+
+def peak_step_bytes(run, device):
+    """Peak memory of one step: the most bytes held at once during the step beyond what was
+    held when it started (parameters, optimizer state and the inputs are not counted; what the
+    step allocates, its graphs' buffers included, is).
+
+    cuda: the caching allocator's peak statistic. cpu and the emulated device (whose memory
+    is CPU memory): every allocation and free the CPU allocator reports to
+    ``torch.profiler`` with ``profile_memory=True``, summed in time order."""
+    import torch
+    from benchmarks.workloads import sync
+
+    with run.active():
+        sync(device)
+        if device == "cuda":
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            run.step()
+            sync(device)
+            return torch.cuda.max_memory_allocated() - base
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            run.step()
+            sync(device)
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    held = most = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        held += e.nbytes()
+        most = max(most, held)
+    return most
 
 
 def _count_ops(run):
@@ -326,6 +366,8 @@ def derive(rows):
         r["x_floor"] = r["step_s"] / f["step_s"] if f else None
         first = r["warm_s"][:WARM_STEPS]
         r["first_step_s"] = first[0]
+        pe, pr = e and e.get("peak_bytes"), r.get("peak_bytes")
+        r["peak_x_eager"] = pr / pe if pe and pr is not None else None
         r["worst_first20_x_eager"] = max(first) / e["step_s"] if e else None
         steady = None
         for k in range(len(r["warm_s"])):
@@ -345,8 +387,9 @@ def _fmt(v, spec, none="–"):
 
 def table(rows, results) -> str:
     out = ["| workload | mode | launch µs | ms/step | spread | launches/step | ops/step "
-           "| vs eager | ÷ floor | first step ms | worst of first 20 ÷ eager | steady after |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| vs eager | ÷ floor | first step ms | worst of first 20 ÷ eager | steady after "
+           "| step peak MB (÷ eager) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         speed = r["speedup"]
         verdict = _fmt(speed, ".2f") + ("×" if speed is not None else "")
@@ -361,7 +404,7 @@ def table(rows, results) -> str:
             f"| {r['step_s'] * 1e3:.3f} | ±{100 * r['iqr_s'] / (2 * r['step_s']):.0f}% "
             f"| {_fmt(r['launches'], '.1f')} | {_fmt(r['ops'], 'd')} | {verdict} "
             f"| {_fmt(r['x_floor'], '.2f')} | {r['first_step_s'] * 1e3:.1f} "
-            f"| {_fmt(r['worst_first20_x_eager'], '.2f')} | {steady} |")
+            f"| {_fmt(r['worst_first20_x_eager'], '.2f')} | {steady} | {_peak(r)} |")
     for mode, why in results["not_applicable"].items():
         out.append(f"\n{mode}: not run ({why})")
     for f in results["failed"]:
@@ -370,6 +413,13 @@ def table(rows, results) -> str:
     if notes:
         out.append("\nmodels: " + "; ".join(notes))
     return "\n".join(out)
+
+
+def _peak(r) -> str:
+    if r.get("peak_bytes") is None:
+        return "–"
+    mb = f"{r['peak_bytes'] / 2**20:.2f}"
+    return mb if r["peak_x_eager"] is None else f"{mb} ({r['peak_x_eager']:.2f}×)"
 
 
 def headline(rows) -> str:
@@ -406,6 +456,10 @@ def headline(rows) -> str:
             if x is not None:
                 out.append(f"{wl}: adaptive is {x:.2f}× faster than {other}" if x >= 1 else
                            f"{wl}: adaptive takes {1 / x:.2f}× {other}'s time")
+    for r in rows:
+        if r["launch_us"] == lat0 and r["mode"] == "adaptive" and r["peak_x_eager"]:
+            out.append(f"peak memory of a hot step, {r['workload']}: adaptive "
+                       f"{r['peak_bytes'] / 2**20:.2f} MB, {r['peak_x_eager']:.2f}× eager's")
     for r in rows:
         if r["launch_us"] == lat0 and r["mode"] == "torch.compile":
             out.append(f"torch.compile first step, {r['workload']}: {r['first_step_s']:.1f} s")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import pickle
 import time
 
 import torch
@@ -219,8 +220,8 @@ def _as_recorded(spec, res, device_map=None):
 # Inductor fuses the copy into the producer.
 
 
-def inductor_graph(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values,
-                   device_map=None, kernels=None) -> Graph:
+def _inductor_compile(specs, ext_metas, live_metas, the_plan, spec_values, device_map,
+                      kernels):
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx_inner
 
@@ -230,10 +231,54 @@ def inductor_graph(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_valu
                                       device_map, kernels)
         with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
             compiled = compile_fx_inner(gm, inputs, is_inference=True)
-    run = getattr(compiled, "current_callable", None) or compiled
-    return Graph("inductor", run, tuple(live_metas), the_plan, len(ext_metas), len(specs),
-                 compile_seconds=time.perf_counter() - start, code=gm.code,
+    return compiled, gm.code, time.perf_counter() - start
+
+
+def _inductor_graph(run, code, seconds, ext_metas, live_metas, the_plan, spec_values, n_ops):
+    return Graph("inductor", run, tuple(live_metas), the_plan, len(ext_metas), n_ops,
+                 compile_seconds=seconds, code=code,
                  mutates_external=bool(the_plan.mutated_inputs), spec_values=tuple(spec_values))
+
+
+def inductor_graph(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values,
+                   device_map=None, kernels=None) -> Graph:
+    """Inductor in this process (on the compiler thread)."""
+    from .compiler import prepare_thread
+
+    prepare_thread()
+    compiled, code, seconds = _inductor_compile(specs, ext_metas, live_metas, the_plan,
+                                                spec_values, device_map, kernels)
+    run = getattr(compiled, "current_callable", None) or compiled
+    return _inductor_graph(run, code, seconds, ext_metas, live_metas, the_plan, spec_values,
+                           len(specs))
+
+
+def inductor_artifact(specs, ext_metas, live_metas, the_plan, spec_values, device_map=None,
+                      kernels=None):
+    """Inductor in the compile process: its output serialized for the requesting process
+    (Note [Compiles leave the process])."""
+    compiled, code, seconds = _inductor_compile(specs, ext_metas, live_metas, the_plan,
+                                                spec_values, device_map, kernels)
+    compiled.prepare_for_serialization()
+    return pickle.dumps(compiled), code, seconds
+
+
+def remote_inductor_graph(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values,
+                          device_map=None, kernels=None) -> Graph:
+    """Inductor in the compile process; this thread only waits and loads the result."""
+    from . import compile_process
+
+    # The child needs what ``trace`` reads; the signature key and source line stay here.
+    sent = [dataclasses.replace(s, key=None) for s in specs]
+    request = compile_process.pack((sent, ext_metas, live_metas, the_plan, spec_values,
+                                     device_map, kernels))
+    blob, code, seconds = compile_process.shared().request(request)
+    compiled = pickle.loads(blob)
+    from torch._inductor.output_code import CompiledFxGraphConstants
+
+    compiled.after_deserialization(CompiledFxGraphConstants())
+    return _inductor_graph(compiled.current_callable, code, seconds, ext_metas, live_metas,
+                           the_plan, spec_values, len(specs))
 
 
 def neuron_graph(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values,
@@ -241,6 +286,10 @@ def neuron_graph(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values
     """TorchNeuron's compiler: the same functional graph, through ``torch.compile``'s
     ``neuron`` backend (registered by torch-neuronx; used as it is)."""
     from torch._dynamo.backends.registry import lookup_backend
+
+    from .compiler import prepare_thread
+
+    prepare_thread()
 
     start = time.perf_counter()
     gm, inputs, fake_mode = trace(specs, ext_metas, live_metas, the_plan, spec_values,
@@ -256,10 +305,21 @@ def neuron_graph(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values
                  mutates_external=bool(the_plan.mutated_inputs), spec_values=tuple(spec_values))
 
 
-BACKENDS = {"inductor": inductor_graph, "neuron": neuron_graph}
+BACKENDS = {"inductor": inductor_graph, "neuron": neuron_graph,
+            "inductor-process": remote_inductor_graph}
 
 
 def compile_graph(backend: str, specs, ext_metas, live_metas, the_plan, spec_values,
-                  device_map=None, kernels=None) -> Graph:
+                  device_map=None, kernels=None, process: bool = False) -> Graph:
+    """Compile one variant. ``process``: Inductor runs in the compile process where the
+    kernels run on the CPU (Note [Compiles leave the process]); GPU kernels and other
+    backends compile on this thread."""
+    if process and backend == "inductor" and _on_cpu(ext_metas, live_metas, device_map):
+        backend = "inductor-process"
     return BACKENDS[backend](specs, ext_metas, live_metas, the_plan, spec_values, device_map,
                              kernels)
+
+
+def _on_cpu(ext_metas, live_metas, device_map) -> bool:
+    metas = [meta_on(m, device_map) for m in (*ext_metas, *live_metas.values())]
+    return all(torch.device(m.device).type == "cpu" for m in metas)

@@ -147,6 +147,16 @@ class _FromCompilerThread(logging.Filter):
         return threading.current_thread().name != _THREAD_NAME
 
 
+def prepare_thread() -> None:
+    """Ready this thread to compile in process (the first call imports Inductor: seconds).
+
+    Raises RuntimeError when the program ends during that import: the interpreter's shutdown
+    refuses what the import registers ("can't register atexit after shutdown").
+    """
+    _guard_user_rng()
+    _quiet_failed_traces()
+
+
 def _quiet_failed_traces() -> None:
     logger = logging.getLogger("torch._subclasses.fake_tensor")
     if not any(isinstance(f, _FromCompilerThread) for f in logger.filters):
@@ -195,16 +205,6 @@ class Compiler:
             self._thread.start()
 
     def _loop(self):
-        try:
-            _guard_user_rng()  # imports Inductor: seconds, on this thread
-            _quiet_failed_traces()
-        except RuntimeError:
-            # The program ended while this thread was still importing: the interpreter's
-            # shutdown refuses what the import registers ("can't register atexit after
-            # shutdown"). Nothing is waiting for a compile any more: end quietly.
-            if not threading.main_thread().is_alive():
-                return
-            raise
         while True:
             generation, job = self._queue.get()
             if job is None:
@@ -214,6 +214,8 @@ class Compiler:
                 try:
                     graph = job.build()
                 except Exception as e:  # delivered to the requester, who records the reason
+                    if not threading.main_thread().is_alive():
+                        return  # the program has ended: nobody waits for this job
                     error = e
             with self._lock:
                 self._jobs.pop(job.key, None)
@@ -247,6 +249,9 @@ class Compiler:
             self.generation += 1
         thread = self._thread
         if thread is not None and thread.is_alive():
+            from . import compile_process
+
+            compile_process.stop_shared()  # a compile in the child ends now, not when done
             self._queue.put((-1, None))
             thread.join(timeout)
 

@@ -154,13 +154,13 @@ class Path:
         the_plan = self.plan
         return live, the_plan.lifted, tuple(floats[n][j] for n, j in the_plan.specialized)
 
-    def builder(self, variant):
+    def builder(self, variant, process: bool = False):
         live, _, spec_values = variant  # computed from the current plan just before
         specs, ext_metas, the_plan, backend = self.specs, self.ext_metas, self.plan, self.backend
         live_metas = {i: self.val_meta[i] for i in live}
         device_map, kernels = self.device_map, self.kernels
         return lambda: compile_graph(backend, specs, ext_metas, live_metas, the_plan,
-                                     spec_values, device_map, kernels)
+                                     spec_values, device_map, kernels, process)
 
     def graph_key(self, variant) -> GraphKey:
         return GraphKey(self.key, self.backend, variant)

@@ -204,6 +204,7 @@ def test_failed_compile_keeps_the_path_hot_as_an_exact_replay(monkeypatch):
         raise RuntimeError("lowering not supported")
 
     monkeypatch.setitem(backends.BACKENDS, "inductor", broken)
+    monkeypatch.setitem(backends.BACKENDS, "inductor-process", broken)
     x = torch.randn(64)
     ref = chain(x, 1.25).sum().item()
     with ae.enabled(**IND):

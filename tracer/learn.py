@@ -286,7 +286,8 @@ def request(mode, path: Path, variant) -> None:
     if mode.debug >= 1:
         log.info("compiling graph%d: %d ops, %d live outputs (%s .. %s)", path.gid,
                  len(path.specs), len(variant[0]), path.specs[0].line, path.specs[-1].line)
-    mode.engine.compiler.request(key, path.builder(variant), mode.inbox,
+    mode.engine.compiler.request(key, path.builder(variant, mode.config.compile_process),
+                                 mode.inbox,
                                  (mode.generation, path, variant))
 
 

@@ -1,0 +1,148 @@
+"""Fused compiles run in a child process (Note [Compiles leave the process])."""
+
+import os
+import threading
+
+import pytest
+import torch
+
+import adaptive_eager as ae
+from adaptive_eager.scheduler import compile_process
+from conftest import Delta, wait_compiles
+
+IND = dict(devices=("cpu",), backend="inductor")
+
+
+def chain(x, a=1.5):
+    for _ in range(3):
+        x = x * a
+        x = x - 0.25
+    return x
+
+
+def hot(fn, runs=3):
+    for _ in range(runs):
+        fn()
+    wait_compiles()
+    fn()
+
+
+def test_the_graph_is_compiled_in_the_child_and_replays_here():
+    x = torch.randn(48)
+    ref = chain(x).sum().item()
+    with ae.enabled(**IND):
+        d = Delta()
+        hot(lambda: chain(x).sum().item())
+        assert d.graphs_compiled == 1
+        child = compile_process.shared()
+        assert child.pid is not None and child.pid != os.getpid()
+        d = Delta()
+        got = [chain(x).sum().item() for _ in range(3)]
+        assert d.cache_hits == 3 and d.launches == 6
+    assert got == pytest.approx([ref] * 3, rel=1e-5)
+
+
+def test_ops_travel_by_name():
+    ops = [torch.ops.aten.add.Tensor, torch.ops.aten.sum.default, torch.ops.prims.iota.default]
+    assert compile_process.loads(compile_process.dumps(ops)) == ops
+
+
+def test_a_compile_in_the_child_leaves_this_process_tracing_state_alone():
+    """make_fx sets torch.fx's process-wide tracing flag: while it was set on the compiler
+    thread, a torch.compile'd function on any other thread raised."""
+    compiled = torch.compile(lambda t: t * 2 + 1, backend="eager")
+    y = torch.randn(8)
+    compiled(y)
+    engine_compiler = ae._engine().compiler
+    calls, errors = [], []
+
+    def user_thread():  # another thread of the user's program, not under the engine
+        while engine_compiler.pending():
+            try:
+                assert not torch.fx._symbolic_trace.is_fx_tracing()
+                torch.testing.assert_close(compiled(y), y * 2 + 1)
+                calls.append(1)
+            except Exception as e:
+                errors.append(e)
+                return
+
+    x = torch.randn(40)
+    with ae.enabled(**IND):
+        for _ in range(3):
+            chain(x, 1.75).sum().item()
+        assert engine_compiler.pending()
+        other = threading.Thread(target=user_thread)
+        other.start()
+        wait_compiles()
+        other.join()
+    assert not errors and calls
+
+
+def test_a_child_that_dies_fails_that_compile_and_the_next_one_starts_a_new_child():
+    x = torch.randn(56)
+    ref = chain(x, 1.125).sum().item()
+    child = compile_process.shared()
+    stop = threading.Event()
+
+    def kill_the_child_once_it_compiles():
+        while not stop.is_set():
+            pid = child.pid
+            if pid is not None and ae._engine().compiler.pending():
+                child.close()
+                return
+            stop.wait(0.001)
+
+    killer = threading.Thread(target=kill_the_child_once_it_compiles)
+    killer.start()
+    try:
+        with ae.enabled(**IND):
+            got = [chain(x, 1.125).sum().item() for _ in range(3)]
+            wait_compiles()
+            got += [chain(x, 1.125).sum().item() for _ in range(2)]
+            fallbacks = ae.stats().fallbacks
+    finally:
+        stop.set()
+        killer.join()
+    assert got == [ref] * 5  # the path kept its exact replay: bitwise
+    died = [r for r in fallbacks if r.startswith("compile failed: CompileProcessError")]
+    assert died and "the compile process died" in died[0]
+    assert fallbacks["no fused graph (its compile failed): replayed exactly"] >= 1
+    # A later compile is served by a new child.
+    started = child.started
+    z = torch.randn(72)  # another path (this one's failed compile is not retried)
+    with ae.enabled(**IND):
+        d = Delta()
+        hot(lambda: chain(z, 0.875).sum().item())
+        assert d.graphs_compiled == 1, d.fallbacks
+    assert child.started == started + 1
+
+
+def test_a_request_the_child_cannot_serve_raises_its_error_here_and_the_child_lives_on():
+    """Errors travel back with their type and message (here: an op only this process has;
+    paths hold aten and prims ops only, ops of other libraries being segment boundaries)."""
+    lib = torch.library.Library("ae_only_here", "DEF")
+    lib.define("twice(Tensor x) -> Tensor")
+    op = torch.ops.ae_only_here.twice.default
+    child = compile_process.shared()
+    with pytest.raises(AttributeError, match="ae_only_here"):
+        child.request(compile_process.pack((op,)))
+    pid = child.pid
+    with pytest.raises(TypeError):  # a malformed request: the child answers and lives on
+        child.request(compile_process.pack((1, 2)))
+    assert child.pid == pid is not None
+
+
+def test_compile_process_off_compiles_on_the_thread(monkeypatch):
+    monkeypatch.setenv("NEURON_ADAPTIVE_EAGER_COMPILE_PROCESS", "0")
+    from adaptive_eager.scheduler import backends
+
+    calls = []
+    monkeypatch.setitem(backends.BACKENDS, "inductor-process",
+                        lambda *a: calls.append(a) or pytest.fail("compiled in the child"))
+    x = torch.randn(40)
+    ref = chain(x, 0.625).sum().item()
+    with ae.enabled(**IND):
+        hot(lambda: chain(x, 0.625).sum().item())
+        assert ae.stats().graphs_compiled == 1
+        got = chain(x, 0.625).sum().item()
+    assert not calls and got == pytest.approx(ref, rel=1e-5)
