@@ -82,3 +82,32 @@ def test_a_cold_segment_does_not_jump_onto_a_hot_path_midway():
             hot()
         got = [hot(), other(), other(), hot()]
     assert got == ref
+
+
+def test_a_deferred_output_nobody_holds_is_freed_before_the_launch():
+    """Note [Liveness]: the engine holds deferred outputs weakly, storage included, so a
+    hot segment's dead intermediates free their memory as they would in eager (holding
+    their storages made a 64-op chain hold all 64 buffers until the launch)."""
+    x = torch.randn(1000)
+    freed = []
+
+    def step():
+        a = x * 2.0
+        ref = a.untyped_storage()._weak_ref()
+        b = a + 1.0  # a's only holder is this frame
+        del a
+        freed.append(torch.UntypedStorage._expired(ref))
+        torch.UntypedStorage._free_weak_ref(ref)
+        c = b * 3.0
+        return c.sum().item()
+
+    ref_value = step()
+    with ae.enabled(devices=("cpu",), backend="exact"):
+        for _ in range(3):
+            step()
+        freed.clear()
+        d = Delta()
+        got = [step() for _ in range(2)]
+        assert d.replays == 2 and d.ops_deferred >= 6  # the products were deferred
+    assert got == [ref_value] * 2
+    assert freed == [True, True]

@@ -6,9 +6,10 @@ first appearance. ``ids`` maps ``id(tensor)`` to ``i >= 0`` (a value) or ``~k`` 
 an entry is trusted only after checking the weak reference it points at, because ids are
 reused once an object dies.
 
-What the engine holds (Note [Liveness] in scheduler.launch): values only weakly, plus the
-storage of each *deferred* fresh value; externals weakly while cold, strongly while hot (a
-deferred op must still find its inputs at launch).
+What the engine holds (Note [Liveness] in scheduler.launch): values only weakly, and a weak
+reference to the storage of each fresh value (``stor`` while deferred, ``cold_storage`` while
+cold); externals weakly while cold, strongly while hot (a deferred op must still find its
+inputs at launch).
 """
 
 from __future__ import annotations
@@ -30,6 +31,13 @@ _expired = torch.UntypedStorage._expired
 _free_weak = torch.UntypedStorage._free_weak_ref
 
 
+def _release(stor) -> None:
+    """Free the weak storage references of deferred values (Note [Liveness])."""
+    for ref in stor:
+        if ref is not None:
+            _free_weak(ref)
+
+
 class Segment:
     __slots__ = (
         "owner", "root", "node", "expect", "hot", "ids", "outw", "stor", "exts", "extw",
@@ -47,6 +55,7 @@ class Segment:
         if cold:
             for ref in cold.values():
                 _free_weak(ref)
+        _release(getattr(self, "stor", ()))
         self.cold_storage: dict = {}  # value index -> weak storage ref (cold fresh outputs)
         self.node = self.root
         self.expect = self.root.hot_next
@@ -189,6 +198,7 @@ class Segment:
         """After a flush mid-segment: nothing is pending any more; keep the numbering."""
         self.hot = False
         self.expect = None
+        _release(self.stor)
         self.stor = [None] * len(self.stor)
         self.exts = []
         self.rng = None

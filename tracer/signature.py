@@ -339,7 +339,7 @@ def make_fast(node, n_ext_before: int):
                 else:
                     g.emit(f"{v} = {g.const(m)}.allocate()")
                 g.emit(f"ids[id({v})] = len(outw); outw.append(wref({v})); "
-                       f"S.stor.append({v}.untyped_storage())")
+                       f"S.stor.append({v}.untyped_storage()._weak_ref())")
                 results.append(v)
             elif o.kind == "alias":
                 results.append(f"a[{o.arg}]" if type(o.arg) is int else f"k[{o.arg!r}]")
