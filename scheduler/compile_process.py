@@ -104,6 +104,7 @@ class CompileProcess:
 
     def __init__(self):
         self._proc = None
+        self._owner = os.getpid()  # a forked copy of this object must not use the pipes
         self._lock = threading.Lock()
         self.started = 0  # children started (a dead one is replaced at the next request)
 
@@ -128,6 +129,9 @@ class CompileProcess:
 
     def request(self, payload: bytes):
         """Send one pickled request; return the child's result or raise its error."""
+        if self._owner != os.getpid():  # this process was forked (a DataLoader worker):
+            self._proc, self._owner = None, os.getpid()  # the child is its parent's
+            self._lock = threading.Lock()
         with self._lock:
             proc = self._proc
             if proc is None or proc.poll() is not None:

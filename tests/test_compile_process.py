@@ -146,3 +146,30 @@ def test_compile_process_off_compiles_on_the_thread(monkeypatch):
         assert ae.stats().graphs_compiled == 1
         got = chain(x, 0.625).sum().item()
     assert not calls and got == pytest.approx(ref, rel=1e-5)
+
+
+def test_a_forked_process_starts_its_own_child():
+    """A fork (a DataLoader worker) inherits the parent's pipes: sharing them would mix two
+    processes' requests. The forked copy starts a child of its own."""
+    child = compile_process.shared()
+    with pytest.raises(TypeError):
+        child.request(compile_process.pack((1, 2)))  # make sure the parent has a child
+    parent_child = child.pid
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the forked process
+        code = 1
+        try:
+            try:
+                child.request(compile_process.pack((1, 2)))
+            except TypeError:
+                code = 0 if child.pid not in (None, parent_child) else 2
+            os.write(write, bytes([code]))
+        finally:
+            child.close()
+            os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(read, 1) == b"\x00"
+    assert child.pid == parent_child  # the parent's child is untouched ...
+    with pytest.raises(TypeError):
+        child.request(compile_process.pack((1, 2)))  # ... and still serves the parent
