@@ -111,3 +111,29 @@ def test_a_deferred_output_nobody_holds_is_freed_before_the_launch():
         assert d.replays == 2 and d.ops_deferred >= 6  # the products were deferred
     assert got == [ref_value] * 2
     assert freed == [True, True]
+
+
+def test_nodes_of_one_structure_share_their_fast_path_code():
+    """Note [Shared fast-path code]: what differs between such nodes (the value an argument
+    must be, shapes) lives in the function's globals, so one code object serves them all."""
+    x = torch.randn(16)
+
+    def step():
+        y = x
+        for _ in range(4):
+            y = y * 1.5
+            y = y + 1.0
+        return y.sum().item()
+
+    want = step()
+    with ae.enabled(devices=("cpu",), backend="exact"):
+        got = [step() for _ in range(4)]
+        node, nodes = ae._engine().mode().root, []
+        while node.hot_next is not None:
+            node = node.hot_next
+            nodes.append(node)
+    assert got == [want] * 4
+    muls = [n.fast for n in nodes if n.spec.func is torch.ops.aten.mul.Tensor]
+    assert len(muls) == 4
+    assert len({f.__code__ for f in muls[1:]}) == 1  # the first takes x (a new external)
+    assert muls[1] is not muls[2] and muls[1].__globals__ is not muls[2].__globals__
