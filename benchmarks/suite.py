@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import datetime
 import itertools
 import json
@@ -295,6 +296,20 @@ def run_workload(name, a, results, log):
     return rows
 
 
+@contextlib.contextmanager
+def _quiet_stderr():
+    """File descriptor 2 to /dev/null for the block (C++ prints bypass ``sys.stderr``)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def peak_step_bytes(run, device):
     """Peak memory of one step: the most bytes held at once during the step beyond what was
     held when it started (parameters, optimizer state and the inputs are not counted; what the
@@ -316,9 +331,15 @@ def peak_step_bytes(run, device):
             return torch.cuda.max_memory_allocated() - base
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        with _quiet_stderr():  # the profiler's C++ side prints on start and stop
+            prof.start()
+        try:
             run.step()
             sync(device)
+        finally:
+            with _quiet_stderr():
+                prof.stop()
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     held = most = 0
     for e in sorted(events, key=lambda e: e.start_ns()):
@@ -529,6 +550,10 @@ def main(argv=None) -> int:
     # The engine's hot path is what is measured: its step governor (which steps aside where
     # it measures itself slower than eager) is off, so where it loses, the table shows it.
     os.environ.setdefault("NEURON_ADAPTIVE_EAGER_SUSPEND_RATIO", "0")
+    # Likewise the retirement of fused graphs timed slower than the eager segments they
+    # replace: its eager timings come from the warm-up, at the first launch latency, and a
+    # sweep to a higher latency made it retire a faster graph (mlp-train at 50 us, once).
+    os.environ.setdefault("NEURON_ADAPTIVE_EAGER_RETIRE_RATIO", "0")
     # A fresh Inductor cache: compile and warm-up times are a new user's, not a rerun's.
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="ae_bench_"))
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

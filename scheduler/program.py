@@ -287,6 +287,17 @@ def straight_line(specs, device_map=None, kernels=None) -> Callable:
             x = device_map.get(x.type, x)
         return const(x)
 
+    # Each value's local is deleted after the op that reads it last, so an intermediate's
+    # memory goes when eager would free it: a 64-op chain on 1M floats held all 64 buffers
+    # (512 MB against eager's 8 MB peak, measured by the suite) while every one stayed bound.
+    last_use: dict = {}
+    for n, spec in enumerate(specs):
+        for i in _vals_read(spec):
+            last_use[i] = n
+    dead_after: dict = {}
+    for i, n in last_use.items():
+        dead_after.setdefault(n, []).append(i)
+
     for n, spec in enumerate(specs):
         if spec.ext_view:
             continue
@@ -306,6 +317,12 @@ def straight_line(specs, device_map=None, kernels=None) -> Callable:
             elif o.kind == "view":
                 lines.append(f"    v{n_val} = {leaf}")
                 n_val += 1
+        for i in range(n_val - spec.n_vals, n_val):
+            if i not in last_use:  # read by no later op: only its target (if live) keeps it
+                lines.append(f"    del v{i}")
+        for i in dead_after.get(n, ()):
+            lines.append(f"    del v{i}")
+        lines.append("    res = None")
     src = "\n".join(lines) + "\n"
     filename = f"<adaptive_eager replay of {len(specs)} ops>"
     ns = dict(consts)
@@ -325,6 +342,17 @@ def straight_line(specs, device_map=None, kernels=None) -> Callable:
 
     run.source = src
     return run
+
+
+def _vals_read(spec: OpSpec):
+    stack = list(spec.args) + list(spec.kwargs.values())
+    while stack:
+        x = stack.pop()
+        t = type(x)
+        if t is Val:
+            yield x.i
+        elif t is tuple or t is list:
+            stack.extend(x)
 
 
 def alias_groups(tensors) -> tuple:

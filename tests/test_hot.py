@@ -1,9 +1,10 @@
 """Recurring work stays on its hot path whatever Python objects carry it (issue: real models)."""
 
+import pytest
 import torch
 
 import adaptive_eager as ae
-from conftest import Delta
+from conftest import Delta, wait_compiles
 
 CPU = dict(devices=("cpu",), backend="exact")
 
@@ -137,3 +138,46 @@ def test_nodes_of_one_structure_share_their_fast_path_code():
     assert len(muls) == 4
     assert len({f.__code__ for f in muls[1:]}) == 1  # the first takes x (a new external)
     assert muls[1] is not muls[2] and muls[1].__globals__ is not muls[2].__globals__
+
+
+def _peak_bytes(fn):
+    """The most bytes the CPU allocator held at once during ``fn()``, above its start."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    held = most = 0
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        held += e.nbytes()
+        most = max(most, held)
+    return most
+
+
+@pytest.mark.parametrize("backend", ["exact", "inductor"])
+def test_a_hot_chain_peaks_at_eagers_memory(backend):
+    """A 16-op chain on 256 KB buffers: eager holds two at a time. Hot, the engine held all
+    sixteen: the deferred outputs' storages until the launch (Note [Liveness]), and the
+    exact replay's locals until it returned."""
+    x = torch.randn(1 << 16)
+
+    def step():
+        y = x
+        for _ in range(8):
+            y = y * 1.5
+            y = y - 0.5
+        return y.sum().item()
+
+    eager = _peak_bytes(step)
+    with ae.enabled(devices=("cpu",), backend=backend):
+        for _ in range(3):
+            step()
+        wait_compiles()
+        step()
+        d = Delta()
+        hot = _peak_bytes(step)
+        assert d.replays == 1
+    assert eager <= 3 * x.nbytes
+    # At most one buffer more: the placeholder of the output still live at the read
+    # (``y``), which the launch writes while computing the ones it reads.
+    assert hot <= eager + x.nbytes + 1024, (hot, eager)
