@@ -173,3 +173,19 @@ def test_a_forked_process_starts_its_own_child():
     assert child.pid == parent_child  # the parent's child is untouched ...
     with pytest.raises(TypeError):
         child.request(compile_process.pack((1, 2)))  # ... and still serves the parent
+
+
+def test_the_child_starts_when_a_path_is_first_learned_before_any_compile(monkeypatch):
+    """Its start-up (importing torch) overlaps with the steps before the first compile,
+    instead of landing on the step that requests it."""
+    child = compile_process.shared()
+    child.close()
+    monkeypatch.setattr(compile_process, "_PREPARED", False)
+    x = torch.randn(32)
+    with ae.enabled(devices=("cpu",), backend="exact"):
+        chain(x, 1.5).sum().item()
+    assert child.pid is None  # the exact backend compiles nothing
+    with ae.enabled(**IND):
+        chain(x, 1.5).sum().item()  # seen once: learned, nothing to compile yet
+        assert ae._engine().compiler.pending() == 0
+        assert child.pid is not None

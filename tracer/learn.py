@@ -40,6 +40,7 @@ import logging
 
 import torch
 
+from adaptive_eager.scheduler import compile_process
 from adaptive_eager.scheduler.launch import COLD, HOT, RETIRED, WARM, Path
 from adaptive_eager.scheduler.program import Ext, Meta, OpFailed, OpSpec, Out, Val
 
@@ -234,6 +235,9 @@ def after_end(mode, node: Node, was_hot: bool, seconds: float) -> None:
     path.observe(mode.seg.floats)
     if not was_hot:
         path.cold_times.append(seconds)
+    if (path.state == COLD and path.backend == "inductor" and mode.config.compile_process
+            and path.device_type != "cuda"):
+        compile_process.prepare()  # Note [Compiles leave the process]
     if path.state == COLD and node.ends >= mode.config.hot_threshold:
         _warm(mode, node, path)
 
