@@ -17,8 +17,8 @@ point, so the engine itself is imported only when it is enabled.
 from __future__ import annotations
 
 __all__ = [
-    "enable", "disable", "enabled", "is_enabled", "mark_step", "synchronize", "stats",
-    "reset",
+    "enable", "disable", "enabled", "paused", "is_enabled", "mark_step", "synchronize",
+    "stats", "reset",
 ]
 
 __version__ = "0.1.0"
@@ -77,6 +77,28 @@ class enabled:
             eng.disable()
         else:
             eng.enable(previous)
+        return False
+
+
+class paused:
+    """``with ae.paused():`` -- the block runs in plain eager, the engine's state kept.
+
+    On entry the work the engine holds is launched (a debugger stepping through the block
+    sees every value computed); inside, ops run as they are, unlearned (counted as passed through); after it,
+    the engine goes on with what it had learned. Nothing to do where the engine is off.
+    """
+
+    def __enter__(self):
+        self._mode = _engine().mode() if is_enabled() else None
+        if self._mode is not None:
+            self._mode.boundary("pause")
+            self._pause = self._mode.pause()
+            self._pause.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self._mode is not None:
+            self._pause.__exit__(*exc)
         return False
 
 

@@ -57,8 +57,14 @@ class Stats:
     fallbacks: dict = dataclasses.field(default_factory=dict)
     boundaries: dict = dataclasses.field(default_factory=dict)
 
-    def __repr__(self) -> str:
-        rows = [
+    @property
+    def launches_saved(self) -> int:
+        """Launches eager would have made that the engine did not: each deferred op would
+        have been one, each replay is one."""
+        return max(0, self.ops_deferred - self.replays)
+
+    def _rows(self) -> list:
+        return [
             ("ops intercepted", self.ops_intercepted),
             ("  deferred (in micro-graphs)", self.ops_deferred),
             ("  eager", self.ops_eager),
@@ -67,19 +73,45 @@ class Stats:
             ("  other devices (passed through)", self.ops_passthrough),
             ("launches", self.launches),
             ("  micro-graph replays", self.replays),
+            ("  launches saved", self.launches_saved),
             ("graphs compiled", self.graphs_compiled),
             ("  compile time in background (s)", f"{self.compile_seconds:.2f}"),
             ("cache hits / misses", f"{self.cache_hits} / {self.cache_misses}"),
             ("segments", self.segments),
             ("steps with the engine aside (slower)", self.steps_suspended),
         ]
+
+    def _tables(self):
+        return (("fallbacks", self.fallbacks), ("boundaries", self.boundaries))
+
+    def __repr__(self) -> str:
+        rows = self._rows()
         width = max(len(r[0]) for r in rows)
         lines = ["adaptive_eager stats"] + [f"  {k:<{width}}  {v}" for k, v in rows]
-        for title, table in (("fallbacks", self.fallbacks), ("boundaries", self.boundaries)):
+        for title, table in self._tables():
             lines.append(f"  {title}:" + ("" if table else " none"))
             for reason, n in sorted(table.items(), key=lambda kv: -kv[1]):
                 lines.append(f"    {n:>8}  {reason}")
         return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        """The same table for Jupyter: counters, then fallbacks and boundaries by count."""
+        from html import escape
+
+        def row(name, value, indent=False):
+            pad = ' style="padding-left:1.5em"' if indent else ""
+            return (f"<tr><td{pad}>{escape(name.strip())}</td>"
+                    f"<td style=\"text-align:right\">{escape(str(value))}</td></tr>")
+
+        out = ["<table>", "<caption>adaptive_eager stats</caption>"]
+        out += [row(k, v, k.startswith(" ")) for k, v in self._rows()]
+        for title, table in self._tables():
+            out.append(f"<tr><th colspan=\"2\" style=\"text-align:left\">{title}"
+                       f"{'' if table else ': none'}</th></tr>")
+            out += [row(reason, n, True)
+                    for reason, n in sorted(table.items(), key=lambda kv: -kv[1])]
+        out.append("</table>")
+        return "\n".join(out)
 
 
 def snapshot(counters) -> Stats:

@@ -15,7 +15,8 @@ def chain(x):
 
 def test_all_names():
     assert set(ae.__all__) == {
-        "enable", "disable", "enabled", "is_enabled", "mark_step", "synchronize", "stats", "reset",
+        "enable", "disable", "enabled", "paused", "is_enabled", "mark_step", "synchronize",
+        "stats", "reset",
     }
     s = ae.stats()
     for name in ("ops_intercepted", "ops_deferred", "ops_eager", "launches", "graphs_compiled",
@@ -115,3 +116,53 @@ def test_reset_clears_counters_and_trie():
         d = Delta()
         chain(x).sum().item()  # learned again from scratch: cold
         assert d.replays == 0 and d.ops_eager == 10
+
+
+def test_stats_render_as_text_and_as_an_html_table():
+    x = torch.randn(8)
+    with ae.enabled(devices=("cpu",), backend="exact"):
+        for _ in range(4):
+            (x * 2 + 1).sum().item()
+        ae.mark_step()
+    s = ae.stats()
+    assert s.launches_saved == s.ops_deferred - s.replays > 0
+    text, html = repr(s), s._repr_html_()
+    assert "launches saved" in text and f"  {s.launches_saved}" in text
+    assert html.startswith("<table>") and html.endswith("</table>")
+    assert html.count("<tr>") == len(s._rows()) + 2 + len(s.fallbacks) + len(s.boundaries)
+    assert f">{s.ops_deferred}<" in html and "launches saved" in html
+    for reason in s.boundaries:
+        assert html.count(reason) == 1
+
+
+def test_stats_html_escapes_reasons():
+    from adaptive_eager.scheduler.stats import Stats
+
+    html = Stats(fallbacks={"op <lambda> & co": 2})._repr_html_()
+    assert "op &lt;lambda&gt; &amp; co" in html and "<lambda>" not in html
+
+
+def test_paused_runs_the_block_in_eager_and_keeps_what_was_learned():
+    x = torch.randn(16)
+
+    def step():
+        return (x * 3 - 1).sum()
+
+    want = step().item()
+    with ae.enabled(devices=("cpu",), backend="exact"):
+        for _ in range(3):
+            step().item()
+        pending = step()  # deferred: nothing computed yet
+        d = Delta()
+        with ae.paused():
+            assert d.replays == 1  # entering launched what the engine held
+            assert pending.item() == want
+            inside = Delta()
+            (x * 5).sum().item()
+            assert inside.ops_deferred == 0 and inside.replays == 0
+            assert inside.ops_passthrough >= 2
+        d = Delta()
+        assert step().item() == want  # the hot path is still known: replayed, not learned
+        assert d.replays == 1 and d.ops_deferred >= 3
+    with ae.paused():  # engine off: nothing to do
+        assert (x * 3 - 1).sum().item() == want
