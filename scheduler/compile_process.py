@@ -7,10 +7,10 @@ while the compiler thread is runnable each op's return then waits up to a switch
 a compile ran (measured), and tracing and lowering hold the lock for seconds on their own.
 
 So fused compiles run in one long-lived child process (``python -m
-adaptive_eager.scheduler.compile_process``), started at the first compile and shared by every
-engine of the process. The compiler thread sends it the request (the path's ops, metadata,
-plan and specialized floats: everything ``backends.trace`` reads), blocks on the pipe without
-the lock, and gets back Inductor's serialized output (the ``CompiledFxGraph`` that Inductor's
+adaptive_eager.scheduler.compile_process``), started when the engine first learns a path and
+shared by every engine of the process. The compiler thread sends it the request (the
+path's ops, metadata, plan and specialized floats: everything ``backends.trace`` reads),
+blocks on the pipe without the lock, and gets back Inductor's serialized output (the ``CompiledFxGraph`` that Inductor's
 own FX graph cache stores). Loading it here executes the generated wrapper, whose kernels the
 child already built into the shared Inductor cache directory: milliseconds, not seconds.
 
@@ -121,8 +121,8 @@ class CompileProcess:
         env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
         # Inductor writes the thread count of its parallel loops into the kernels it
         # generates (torch.get_num_threads() in the compiling process): the child must have
-        # this process's, or every kernel runs on one core (a 1M-float chain ran 1.6x
-        # slower than torch.compile's until it had).
+        # this process's, or every kernel runs on one core (a 1M-float chain took 2.19x
+        # torch.compile's time with one thread in the child, 1.70x with two).
         env["OMP_NUM_THREADS"] = str(torch.get_num_threads())
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(
@@ -139,12 +139,17 @@ class CompileProcess:
             pass
         return proc
 
-    def start(self) -> None:
-        """Start the child now if none runs (ahead of a request: its start-up, importing
-        torch, then overlaps with the steps before the first compile)."""
+    def _after_fork(self) -> None:
+        """In a forked copy of this process (a DataLoader worker) the child is the parent's:
+        forget it (its pipes would mix two processes' requests) and the lock's state."""
         if self._owner != os.getpid():
             self._proc, self._owner = None, os.getpid()
             self._lock = threading.Lock()
+
+    def start(self) -> None:
+        """Start the child now if none runs (ahead of a request: its start-up, importing
+        torch, then overlaps with the steps before the first compile)."""
+        self._after_fork()
         with self._lock:
             if self._proc is None or self._proc.poll() is not None:
                 try:
@@ -154,9 +159,7 @@ class CompileProcess:
 
     def request(self, payload: bytes):
         """Send one pickled request; return the child's result or raise its error."""
-        if self._owner != os.getpid():  # this process was forked (a DataLoader worker):
-            self._proc, self._owner = None, os.getpid()  # the child is its parent's
-            self._lock = threading.Lock()
+        self._after_fork()
         with self._lock:
             proc = self._proc
             if proc is None or proc.poll() is not None:
@@ -196,7 +199,7 @@ _SHARED_LOCK = threading.Lock()
 
 
 def shared() -> CompileProcess:
-    """The process-wide compile process (started lazily at its first request)."""
+    """The process-wide compile process (started by ``prepare()`` or its first request)."""
     global _SHARED
     with _SHARED_LOCK:
         if _SHARED is None:
