@@ -18,7 +18,7 @@ from __future__ import annotations
 
 __all__ = [
     "enable", "disable", "enabled", "paused", "is_enabled", "mark_step", "synchronize",
-    "stats", "reset",
+    "stats", "explain", "reset",
 ]
 
 __version__ = "0.1.0"
@@ -126,6 +126,16 @@ def synchronize() -> None:
 def stats():
     """Counters of the engine (all threads): a ``Stats`` snapshot with a readable repr."""
     return _engine().stats()
+
+
+def explain():
+    """The engine's account of the program (all threads): hot paths with the lines they span
+    and the time they save, what stayed cold and why, every fallback and boundary with the
+    user line that caused it, and advice. A ``Report``: text in a terminal, HTML in Jupyter,
+    ``plot()``, ``to_records()``, ``to_csv(path)``."""
+    from .report import collect
+
+    return collect(_engine())
 
 
 def reset() -> None:

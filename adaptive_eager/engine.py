@@ -67,6 +67,7 @@ class Engine:
                 from adaptive_eager.neuron import hardware
 
                 hardware.add_flush_hook(self._flush_for_device)
+                readguard.install(self, NeuronTensor)  # its own __repr__, tolist, ...
         self._install_hooks()
         if self.cache._lru.maxsize != config.cache_size:
             self.cache.resize(config.cache_size)
@@ -124,6 +125,8 @@ class Engine:
         m = self.mode()
         if m is not None:
             m.boundary("mark_step")
+            if not m.governor.by_optimizer:  # else optimizer steps are the steps
+                m.counters.tick()
 
     def _flush_for_device(self, reason: str) -> None:
         """The program orders or waits on a device queue: launch what this thread defers."""

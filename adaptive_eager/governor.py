@@ -73,6 +73,7 @@ class Governor:
 
     def optimizer_step(self, mode, compiling: bool) -> None:
         self.by_optimizer = True
+        mode.counters.tick()
         self._step(mode, compiling)
 
     def read(self, mode) -> None:
@@ -83,6 +84,7 @@ class Governor:
         self.reads += 1
         if self.reads >= READS_PER_STEP:
             self.reads = 0
+            mode.counters.tick()
             self._step(mode, mode.engine.compiler.pending() > 0)
 
     def _step(self, mode, compiling: bool) -> None:

@@ -31,14 +31,16 @@ _ORIGINAL: dict = {}
 _lock = threading.Lock()
 
 
-def install(engine) -> None:
-    """Wrap the guarded methods of ``torch.Tensor`` (once per process)."""
+def install(engine, cls=torch.Tensor) -> None:
+    """Wrap the guarded methods of ``cls`` (once per process and class): ``torch.Tensor``, or
+    a tensor subclass that defines its own (the emulated neuron device's ``__repr__`` copies
+    to the host)."""
     for name in GUARDED:
-        if name in _ORIGINAL:
+        if (cls, name) in _ORIGINAL or (cls is not torch.Tensor and name not in vars(cls)):
             continue
-        original = getattr(torch.Tensor, name)
-        _ORIGINAL[name] = original
-        setattr(torch.Tensor, name, _guard(engine, name, original))
+        original = getattr(cls, name)
+        _ORIGINAL[(cls, name)] = original
+        setattr(cls, name, _guard(engine, name, original))
 
 
 # Host reads, the step governor's clock in loops without an optimizer
@@ -77,12 +79,14 @@ def _count(engine, original):
     return counted
 
 
-def original(name: str):
-    return _ORIGINAL.get(name) or getattr(torch.Tensor, name)
+# Boundary reasons, in the program's words (explain() groups host reads by them).
+_READS = {"tolist": ".tolist()", "numpy": ".numpy()", "__array__": "numpy.asarray()",
+          "data_ptr": ".data_ptr()", "__repr__": "print() / repr()",
+          "__reduce_ex__": "pickle / torch.save", "__dlpack__": "__dlpack__"}
 
 
 def _guard(engine, name, original):
-    reason = f"read: {name}"
+    reason = f"host read: {_READS[name]}"
 
     @functools.wraps(original)
     def guarded(self, *args, **kwargs):

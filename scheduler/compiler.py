@@ -66,6 +66,11 @@ class CompileCache:
         with self._lock:
             return self._lru.get(key)
 
+    def peek(self, key: GraphKey):
+        """The graph for ``key`` without making it recently used (explain())."""
+        with self._lock:
+            return cachetools.Cache.get(self._lru, key)
+
     def put(self, key: GraphKey, graph) -> None:
         with self._lock:
             self._lru[key] = graph

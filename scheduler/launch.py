@@ -28,6 +28,7 @@ the last of them went, as in eager.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import math
 import statistics
@@ -39,8 +40,9 @@ from .backends import Graph, compile_graph, exact_graph, plan
 from .compiler import GraphKey
 from .program import Ext, OpFailed, Rec, alias_groups, host_call, interpret
 from .queues import queue_for
+from .userline import traceback_at
 
-__all__ = ["Path", "run", "attribute", "CrosscheckError"]
+__all__ = ["Path", "run", "attribute", "mark", "CrosscheckError"]
 
 log = logging.getLogger("adaptive_eager")
 _expired = torch.UntypedStorage._expired
@@ -97,7 +99,8 @@ class Path:
         self.dynamic: frozenset = frozenset()  # float positions seen to change
         self.exact = None
         self.cold_times = collections.deque(maxlen=8)
-        self.hot_times = collections.deque(maxlen=8)
+        self.hot_times = collections.deque(maxlen=8)  # fused replays (graph retirement)
+        self.replay_times = collections.deque(maxlen=8)  # every deferred run (explain())
         self.replays = 0
         self.gid = 0
         self._randoms = None  # (op index, spec, probability argument) of its random ops
@@ -243,7 +246,7 @@ def run(path: Path, seg, ctx, counters) -> None:
         fn, args = _run_exact, (path, exts, floats, run_targets)
     if ctx.debug >= 2:
         start = time.perf_counter()
-    with _rng_as_recorded(seg.rng):
+    with _rng_as_recorded(seg.rng), _range(path, n_ops):
         if queue.submit(fn, *args):
             counters.fallback("device queue full (NEURON_ADAPTIVE_EAGER_QUEUE_DEPTH): waited")
         if queue.asynchronous and seg.rng is not None and path.draws(floats):
@@ -258,6 +261,32 @@ def run(path: Path, seg, ctx, counters) -> None:
         _crosscheck_compare(path, seg, targets, reference, exact=graph is None)
 
 
+# Note [Profiler ranges]: while ``torch.profiler`` records, each launch is submitted inside
+# a ``record_function`` range named ``adaptive_eager::graph<id>[<n> ops]`` on the thread
+# that launches. On a synchronous queue (cpu) the replay runs inside it, so its kernels nest
+# under it and ``key_averages()`` totals each graph. On an asynchronous queue (neuron, cuda)
+# the range is the submission: the work runs later on the device (the profiler records a
+# thread only from the thread that started it, so the emulated device's worker is not
+# seen, as in eager). Each segment end that launches deferred work adds an empty range
+# ``adaptive_eager::flush[<reason>]`` where the program forced it (``mark``). When not
+# profiling this costs one C call per launch.
+_profiling = torch._C._autograd._profiler_enabled
+_NO_RANGE = contextlib.nullcontext()
+
+
+def _range(path: Path, n_ops: int):
+    if not _profiling():
+        return _NO_RANGE
+    return torch.profiler.record_function(f"adaptive_eager::graph{path.gid}[{n_ops} ops]")
+
+
+def mark(reason: str) -> None:
+    """An instant event in the profiler's trace (an empty range), if it is recording."""
+    if _profiling():
+        with torch.profiler.record_function(f"adaptive_eager::flush[{reason}]"):
+            pass
+
+
 def _fused_graph(path: Path, seg, live: tuple, ctx, counters):
     if path.fused_off:
         counters.fallback(f"no fused graph ({path.fused_off}): replayed exactly")
@@ -270,6 +299,8 @@ def _fused_graph(path: Path, seg, live: tuple, ctx, counters):
     graph = ctx.cache.get(key) if key is not None else None
     if graph is not None:
         counters.cache_hits += 1
+        if ctx.debug >= 3:
+            log.debug("cache hit graph%d %r", path.gid, key)
         if graph.mutates_external and _written_input_aliased(graph.plan, seg.exts):
             counters.fallback("a written input aliases another input: replayed exactly")
             return None
@@ -279,7 +310,8 @@ def _fused_graph(path: Path, seg, live: tuple, ctx, counters):
         return graph
     counters.cache_misses += 1
     if ctx.debug >= 3:
-        log.debug("cache MISS graph%d variant live=%d spec=%s", path.gid, len(live), variant[2])
+        log.debug("cache MISS graph%d %r: live outputs %d, specialized floats %s", path.gid,
+                  key or path.graph_key(variant), len(live), variant[2])
     if key is None and len(path.variants) >= ctx.config.variant_budget:
         ctx.retire(path, "variant budget exhausted")
         return None
@@ -343,15 +375,29 @@ def _attribute_fused(path: Path, recorded, error: BaseException) -> BaseExceptio
     )
 
 
+# Note [Issuing frames]: a deferred op that fails raises where its segment launches -- the
+# next sync, often lines later than the op. The error keeps its type (the program's
+# ``except`` clauses work as in eager); its message gains the aten op and the user line that
+# issued it; and its traceback ends with a frame at that line, in the function that issued
+# it, after the frames of the sync point. So the last user frame a traceback, a debugger's
+# post-mortem (``%debug``) or an IDE shows is the line that issued the op, as in eager. The
+# frame is a stand-in: it has the line's file, number and function name (recorded when the
+# op was learned), not its local variables, which no longer exist at the sync. A fused graph
+# that fails is first replayed op by op on copies of what it writes (``_attribute_fused``) to
+# find the op eager would have failed at.
+
+
 def attribute(error: BaseException, spec) -> BaseException:
-    """Name the op and the user's source line in ``error``, keeping its type."""
+    """Name the op and the user's source line in ``error``, keeping its type, and end its
+    traceback at that line (Note [Issuing frames])."""
     note = f"[adaptive_eager] raised by {spec.func} issued at {spec.line} (deferred, run at sync)"
     if (type(error).__str__ is BaseException.__str__ and error.args
             and isinstance(error.args[0], str)):
         error.args = (f"{error.args[0]}\n{note}",) + error.args[1:]
     else:
         error.add_note(note)
-    return error
+    tb = traceback_at(spec.line, error)
+    return error.with_traceback(tb) if tb is not None else error
 
 
 class _rng_as_recorded:

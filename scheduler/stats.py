@@ -6,8 +6,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
+
+from .userline import user_line
 
 __all__ = ["Counters", "Stats", "snapshot"]
+
+log = logging.getLogger("adaptive_eager")
 
 _FIELDS = (
     "ops_deferred", "ops_eager", "ops_views", "ops_host", "ops_passthrough",
@@ -15,10 +20,25 @@ _FIELDS = (
 )
 
 
+# Note [Where events happen]: each fallback and boundary is counted with the user's source
+# line that caused it (scheduler.userline), for ``ae.explain()``. A frame walk costs a few
+# microseconds, and a boundary ends every hot segment, so lines are sampled: every one of
+# the first ``_ALL_LINES`` events of a reason, then one in ``_EVERY``. A line that occurs at
+# all in a repeating program is found; the per-line counts are of the sampled events.
+_ALL_LINES = 64
+_EVERY = 256
+_MAX_STEPS = 100_000  # per-step records kept for explain().plot()
+
+# The cumulative counters recorded at each step (Counters.tick)
+STEP_FIELDS = ("ops_deferred", "ops_eager", "replays", "graphs_compiled", "diverged",
+               "steps_suspended")
+
+
 class Counters:
     """Mutable per-thread counters. Attribute names match ``Stats`` fields."""
 
-    __slots__ = _FIELDS + ("fallbacks", "boundaries", "compile_seconds")
+    __slots__ = _FIELDS + ("fallbacks", "boundaries", "compile_seconds", "where", "steps",
+                           "thread", "debug")
 
     def __init__(self):
         for f in _FIELDS:
@@ -26,9 +46,41 @@ class Counters:
         self.fallbacks = collections.Counter()
         self.boundaries = collections.Counter()
         self.compile_seconds = 0.0
+        # ("fallback" | "boundary", reason) -> Counter of user lines (Note [Where events happen])
+        self.where: dict = {}
+        self.steps = collections.deque(maxlen=_MAX_STEPS)
+        # the owning thread: user lines of ops autograd runs on its worker threads are found
+        # there (kept across resets)
+        self.thread = getattr(self, "thread", None)
+        self.debug = getattr(self, "debug", 0)  # NEURON_ADAPTIVE_EAGER_DEBUG (the mode's)
 
     def fallback(self, reason: str, n: int = 1) -> None:
-        self.fallbacks[reason] += n
+        k = self.fallbacks[reason] + n
+        self.fallbacks[reason] = k
+        if k <= _ALL_LINES or not k % _EVERY:
+            line = self._locate("fallback", reason)
+            if k == n and self.debug >= 1:  # the ladder's level 1: each reason once
+                log.info("fallback: %s (first at %s)", reason, line)
+
+    def boundary(self, reason: str) -> None:
+        k = self.boundaries[reason] + 1
+        self.boundaries[reason] = k
+        if k <= _ALL_LINES or not k % _EVERY:
+            self._locate("boundary", reason)
+
+    def _locate(self, kind: str, reason: str) -> str:
+        lines = self.where.get((kind, reason))
+        if lines is None:
+            lines = self.where[(kind, reason)] = collections.Counter()
+        line = user_line(3, self.thread)
+        lines[line] += 1
+        return line
+
+    def tick(self) -> None:
+        """One step of the program ended (the governor's clock): record where it stands."""
+        self.steps.append((self.ops_deferred, self.ops_eager, self.replays,
+                           self.graphs_compiled, self.fallbacks["diverged from the hot path"],
+                           self.steps_suspended))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,7 @@ def chain(x):
 def test_all_names():
     assert set(ae.__all__) == {
         "enable", "disable", "enabled", "paused", "is_enabled", "mark_step", "synchronize",
-        "stats", "reset",
+        "stats", "explain", "reset",
     }
     s = ae.stats()
     for name in ("ops_intercepted", "ops_deferred", "ops_eager", "launches", "graphs_compiled",

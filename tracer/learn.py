@@ -223,6 +223,7 @@ def path_of(mode, node: Node) -> Path:
 def after_end(mode, node: Node, was_hot: bool, seconds: float) -> None:
     path = path_of(mode, node)
     if was_hot and path.state != COLD:
+        path.replay_times.append(seconds)
         if path.state == HOT and path.last_fused:
             path.hot_times.append(seconds)
             ratio = mode.config.retire_ratio

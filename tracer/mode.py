@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import sys
+import threading
 import time
 
 import torch
@@ -38,6 +38,7 @@ from torch.utils._python_dispatch import (
 from adaptive_eager.scheduler import launch as _launch
 from adaptive_eager.scheduler.program import Val
 from adaptive_eager.scheduler.stats import Counters
+from adaptive_eager.scheduler.userline import user_line as _user_line
 
 from . import learn
 from .optable import OpClass, info as op_info
@@ -59,6 +60,7 @@ class AdaptiveEagerMode(TorchDispatchMode):
         self.engine = engine
         self.cache = engine.cache
         self.counters = Counters()
+        self.counters.thread = self.thread = threading.get_ident()
         self.inbox = engine.new_inbox()
         self.root = new_root()
         self.seg = Segment(self, self.root)
@@ -71,7 +73,7 @@ class AdaptiveEagerMode(TorchDispatchMode):
 
     def configure(self, config) -> None:
         self.config = config
-        self.debug = config.debug
+        self.debug = self.counters.debug = config.debug
         self.devices = frozenset(config.devices)
         self.host_scalars = "cpu" in self.devices
 
@@ -111,7 +113,7 @@ class AdaptiveEagerMode(TorchDispatchMode):
         cls = info.cls
         if cls is OpClass.SYNC:
             if any(S.involves(t) for t in tensors):
-                self.end_segment("sync")
+                self.end_segment(_read_reason(func))
             c.ops_eager += 1
             return func(*args, **kwargs)
         if cls is OpClass.BOUNDARY:
@@ -200,7 +202,7 @@ class AdaptiveEagerMode(TorchDispatchMode):
             self.counters.fallback("trie node budget exhausted: not learning")
             return None
         self.n_nodes += 1
-        child = learn.make_node(node, op, _user_line())
+        child = learn.make_node(node, op, _user_line(1, self.thread))
         node.children[op.key] = child
         if self.debug >= 3:
             log.debug("trie: new node %s at depth %d (%s)", op.func, child.depth,
@@ -222,11 +224,12 @@ class AdaptiveEagerMode(TorchDispatchMode):
             log.debug("diverged after %s at depth %d", node.spec.func, node.depth)
         node.diverged += 1
         if not node.cut and node.diverged >= self.config.divergence_limit:
-            learn.cut(self, node, func, _user_line())
+            learn.cut(self, node, func, _user_line(1, self.thread))
         if node.cut:
             self.end_segment("path cut")
             return True
         try:
+            _launch.mark("diverged")
             self._launch(node)
         finally:
             S.drop_deferred()
@@ -240,6 +243,7 @@ class AdaptiveEagerMode(TorchDispatchMode):
         was_hot = S.hot
         try:
             if was_hot:
+                _launch.mark(reason)
                 self._launch(node)
             if node is not None and node.depth:
                 node.ends += 1
@@ -247,7 +251,7 @@ class AdaptiveEagerMode(TorchDispatchMode):
         finally:
             S.reset()
             self.counters.segments += node is not None and node.depth > 0
-            self.counters.boundaries[reason] += 1
+            self.counters.boundary(reason)
             if self.inbox:
                 learn.install(self)
 
@@ -375,6 +379,21 @@ def skip_rule_lookup(cls: type | None = None) -> None:
 _PLAIN_ALIASES = frozenset({torch.ops.aten.detach.default, torch.ops.aten.alias.default})
 
 
+# How the program reads data to the host, in its own words (boundary reasons, explain()).
+_READS = {"_local_scalar_dense": ".item()", "is_nonzero": "bool()", "equal": "torch.equal"}
+
+
+_READ_REASONS: dict = {}
+
+
+def _read_reason(func) -> str:
+    reason = _READ_REASONS.get(func)
+    if reason is None:
+        name = func._schema.name.split("::")[-1]
+        reason = _READ_REASONS[func] = f"host read: {_READS.get(name, str(func))}"
+    return reason
+
+
 def _crosses_devices(tensors, kwargs) -> bool:
     """Does the op move data between devices (``.to(other)``, ``copy_`` across devices)?"""
     # 0-dim CPU tensors take part in ops on any device (wrapped scalars): not a copy.
@@ -383,36 +402,3 @@ def _crosses_devices(tensors, kwargs) -> bool:
     if dev is not None:
         devices.add(torch.device(dev))
     return len(devices) > 1
-
-
-_SKIP: tuple = ()
-_STDLIB: tuple = ()
-
-
-def _user_line() -> str:
-    """file:line of the innermost frame that is neither torch, the engine nor the stdlib."""
-    global _SKIP, _STDLIB
-    if not _SKIP:
-        import os
-        import sysconfig
-
-        import adaptive_eager
-        from adaptive_eager import scheduler
-
-        paths = sysconfig.get_paths()
-        _SKIP = (
-            os.path.dirname(torch.__file__),
-            os.path.dirname(adaptive_eager.__file__),
-            os.path.dirname(__file__),
-            os.path.dirname(scheduler.__file__),
-            "<adaptive_eager",
-        )
-        _STDLIB = (paths["stdlib"], (paths["purelib"], paths["platlib"]))
-    f = sys._getframe(1)
-    stdlib, site = _STDLIB
-    while f is not None:
-        name = f.f_code.co_filename
-        if not name.startswith(_SKIP) and (not name.startswith(stdlib) or name.startswith(site)):
-            return f"{name}:{f.f_lineno}"
-        f = f.f_back
-    return "<unknown>"

@@ -1,0 +1,165 @@
+"""ae.explain(): hot paths with their lines, fallbacks and boundaries with the user line that
+caused them, cold paths and why, advice, per-step records, CSV and the plot."""
+
+import csv
+import sys
+
+import pytest
+import torch
+
+import adaptive_eager as ae
+
+HERE = __file__
+
+
+def line_of(marker: str) -> str:
+    """``file:line`` of the line in this file that contains ``marker``."""
+    with open(HERE) as f:
+        for n, text in enumerate(f, 1):
+            if marker in text and "line_of(" not in text:
+                return f"{HERE}:{n}"
+    raise AssertionError(marker)
+
+
+def train(steps, read_every=0, nonzero=False):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    for i in range(steps):
+        loss = ((model(x) - y) ** 2).mean()  # [forward]
+        loss.backward()
+        if read_every and i % read_every == 0:
+            loss.item()  # [item]
+        if nonzero:
+            torch.nonzero(x > 0)  # [nonzero]
+        opt.step()  # [step]
+        opt.zero_grad()
+    return model
+
+
+def test_hot_paths_name_their_lines_replays_and_time_saved():
+    with ae.enabled(devices=("cpu",), backend="exact"):
+        train(8)
+    r = ae.explain()
+    assert r.hot, r
+    main = max(r.hot, key=lambda p: p.n_ops)
+    assert main.state == "hot" and main.backend == "exact replay"
+    assert main.replays >= 8 - 3 and main.n_ops > 10
+    assert line_of("[forward]") in main.lines
+    assert main.cold_us is not None and main.replay_us is not None
+    assert main.saved_us == pytest.approx(main.cold_us - main.replay_us)
+    assert ("mm", 1) in main.ops or any(op.startswith("mm") or op == "addmm"
+                                        for op, _ in main.ops)
+    text = repr(r)
+    assert f"graph{main.gid}: {main.n_ops} ops, replayed {main.replays}x" in text
+    assert line_of("[forward]") in text
+    step = next(e for e in r.events_of("boundary") if e.reason == "optimizer step")
+    assert step.count == 8 and step.lines[0][0] == line_of("[step]")
+
+
+def test_fallback_and_boundary_name_the_user_line_and_advise():
+    with ae.enabled(devices=("cpu",), backend="exact"):
+        train(8, read_every=1, nonzero=True)
+    r = ae.explain()
+    nz = next(e for e in r.events_of("fallback") if "nonzero" in e.reason)
+    assert nz.reason == "data-dependent output shape: aten.nonzero.default"
+    assert nz.count == 8 and [line for line, _ in nz.lines] == [line_of("[nonzero]")]
+    item = next(e for e in r.events_of("boundary") if e.reason == "host read: .item()")
+    assert item.count >= 5 and item.lines[0][0] == line_of("[item]")
+    advice = "\n".join(r.advice)
+    assert f".item() at {line_of('[item]')}" in advice
+    assert f"aten.nonzero.default at {line_of('[nonzero]')}" in advice
+    assert f"{line_of('[nonzero]')}" in repr(r)
+
+
+def test_cold_paths_say_why():
+    def once(k):
+        return (torch.ones(k) * 2).sum()  # a new shape each time: never repeats
+
+    with ae.enabled(devices=("cpu",), backend="exact"):
+        for k in range(1, 4):
+            once(k + 1)
+            ae.mark_step()
+    r = ae.explain()
+    assert not r.hot and len(r.cold) == 3
+    threshold = ae.engine.ENGINE.mode() is None and r.hot_threshold
+    assert {p.why for p in r.cold} == {f"seen 1 time, hot after {threshold}"}
+    assert "Not hot:" in repr(r) and f"seen 1 time, hot after {threshold}" in repr(r)
+
+
+def test_graph_code_is_reported_for_fused_paths():
+    def chain(x):
+        return (x * 2 + 1).relu()
+
+    x = torch.randn(8)
+    with ae.enabled(devices=("cpu",), backend="inductor"):
+        for _ in range(4):
+            chain(x)
+            ae.mark_step()
+        from conftest import wait_compiles
+
+        wait_compiles()
+        chain(x)
+        ae.mark_step()
+    r = ae.explain()
+    (p,) = r.hot
+    assert p.backend == "fused inductor graph"
+    assert "torch.ops.aten.mul.Tensor" in r.code(p.gid)  # the micro-graph compiled
+    assert "<details><summary>code</summary>" in r._repr_html_()
+    with pytest.raises(KeyError, match="no graph999"):
+        r.code(999)
+
+
+def test_html_escapes_and_lists_every_section():
+    with ae.enabled(devices=("cpu",), backend="exact"):
+        train(4, nonzero=True)
+    html = ae.explain()._repr_html_()
+    for title in ("Hot paths", "Not hot", "Fallbacks", "Boundaries", "Advice"):
+        assert f"<b>{title}</b>" in html
+    assert "<script" not in html and "aten.nonzero.default" in html
+
+
+def test_records_csv_and_steps(tmp_path):
+    with ae.enabled(devices=("cpu",), backend="exact"):
+        train(6)
+    r = ae.explain()
+    records = r.to_records()
+    kinds = {rec["kind"] for rec in records}
+    assert {"path", "boundary", "step"} <= kinds
+    from adaptive_eager.report import RECORD_FIELDS
+
+    assert all(tuple(rec) == RECORD_FIELDS for rec in records)
+    steps = [rec for rec in records if rec["kind"] == "step"]
+    assert len(steps) == 6  # one per optimizer step
+    assert steps[0]["ops_deferred"] == 0 and steps[0]["ops_eager"] > 0  # cold
+    assert steps[-1]["ops_deferred"] > 0 and steps[-1]["launches"] < steps[0]["launches"]
+    assert sum(s["launches"] for s in steps) <= ae.stats().launches
+    out = tmp_path / "explain.csv"
+    r.to_csv(out)
+    with open(out) as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == len(records) and rows[0].keys() == set(RECORD_FIELDS)
+
+
+def test_plot_draws_per_step_bars_and_marks(monkeypatch):
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    with ae.enabled(devices=("cpu",), backend="exact"):
+        train(5)
+    fig = ae.explain().plot()
+    ax = fig.axes[0]
+    assert len(ax.patches) == 2 * 5  # deferred and eager bars per step
+    labels = ax.get_legend_handles_labels()[1]
+    assert "ops deferred" in labels and "ops run eagerly" in labels
+    # without matplotlib: one clear line
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    with pytest.raises(ImportError, match=r"plot\(\) needs matplotlib: pip install matplotlib"):
+        ae.explain().plot()
+
+
+def test_parquet_without_pandas_says_what_to_install(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "pandas", None)
+    with pytest.raises(ImportError, match="needs pandas"):
+        ae.explain().to_parquet(tmp_path / "x.parquet")
