@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import csv
 import dataclasses
+import os
 import statistics
 from html import escape
 
@@ -29,8 +30,8 @@ from adaptive_eager.scheduler.stats import STEP_FIELDS
 __all__ = ["Report", "PathInfo", "Event", "collect"]
 
 SHOWN = 8  # paths and lines listed per section in the text and HTML views
-RECORD_FIELDS = ("kind", "id", "state", "backend", "ops", "count", "reason", "where",
-                 "saved_us", "ops_deferred", "ops_eager", "launches", "compiles",
+RECORD_FIELDS = ("kind", "id", "state", "backend", "ops", "count", "launched", "reason",
+                 "where", "saved_us", "ops_deferred", "ops_eager", "launches", "compiles",
                  "divergences", "suspended")
 
 
@@ -66,8 +67,8 @@ class PathInfo:
         if not self.lines:
             return "<unknown>"
         if len(self.lines) == 1:
-            return self.lines[0]
-        return f"{self.lines[0]} .. {self.lines[-1]} ({len(self.lines)} lines)"
+            return _rel(self.lines[0])
+        return f"{_rel(self.lines[0])} .. {_rel(self.lines[-1])} ({len(self.lines)} lines)"
 
     def op_summary(self, n: int = 6) -> str:
         head = ", ".join(f"{op} x{k}" if k > 1 else op for op, k in self.ops[:n])
@@ -82,11 +83,12 @@ class Event:
     reason: str
     count: int
     lines: tuple  # ((file:line, sampled count), ...), most frequent first
+    launched: int = 0  # boundaries only: how many ended a deferred segment (launched it)
 
     def where(self, n: int = 3) -> str:
         if not self.lines:
             return ""
-        shown = ", ".join(line for line, _ in self.lines[:n])
+        shown = ", ".join(_rel(line) for line, _ in self.lines[:n])
         more = len(self.lines) - n
         return shown + (f" and {more} more" if more > 0 else "")
 
@@ -145,13 +147,18 @@ class Report:
         for p in self.cold[:SHOWN]:
             out.append(f"  graph{p.gid}: {_n(p.n_ops, 'op')} at {p.span()}: {p.state}, {p.why}")
         _more(out, self.cold, "paths")
-        for kind, title in (("fallback", "Fallbacks (fast path not taken)"),
-                            ("boundary", "Boundaries (where segments end)")):
-            events = self.events_of(kind)
-            out.append(f"{title}:" + ("" if events else " none"))
-            for e in events:
-                where = e.where()
-                out.append(f"  {e.count:>7}  {e.reason}" + (f"  [at {where}]" if where else ""))
+        events = self.events_of("fallback")
+        out.append("Fallbacks (fast path not taken), count:" + ("" if events else " none"))
+        for e in events:
+            where = e.where()
+            out.append(f"  {e.count:>7}  {e.reason}" + (f"  [at {where}]" if where else ""))
+        events = self.events_of("boundary")
+        out.append("Boundaries (where segments end), count / launching deferred work:"
+                   + ("" if events else " none"))
+        for e in events:
+            where = e.where()
+            out.append(f"  {e.count:>7} {e.launched:>7}  {e.reason}"
+                       + (f"  [at {where}]" if where else ""))
         out.append("Advice:" + ("" if self.advice else " none"))
         out += [f"  - {a}" for a in self.advice]
         return "\n".join(out)
@@ -177,10 +184,13 @@ class Report:
         h.append("<b>Not hot</b>")
         rows = [(f"graph{p.gid}", p.n_ops, p.state, p.why, p.span()) for p in self.cold]
         h.append(_table(("graph", "ops", "state", "why", "lines"), rows))
-        for kind, title in (("fallback", "Fallbacks"), ("boundary", "Boundaries")):
-            h.append(f"<b>{title}</b>")
-            rows = [(e.count, e.reason, e.where(SHOWN)) for e in self.events_of(kind)]
-            h.append(_table(("count", "reason", "at"), rows))
+        h.append("<b>Fallbacks</b>")
+        rows = [(e.count, e.reason, e.where(SHOWN)) for e in self.events_of("fallback")]
+        h.append(_table(("count", "reason", "at"), rows))
+        h.append("<b>Boundaries</b>")
+        rows = [(e.count, e.launched, e.reason, e.where(SHOWN))
+                for e in self.events_of("boundary")]
+        h.append(_table(("count", "launched work", "reason", "at"), rows))
         h.append("<b>Advice</b>")
         h.append("<ul>" + "".join(f"<li>{escape(a)}</li>" for a in self.advice) + "</ul>"
                  if self.advice else "<p>none</p>")
@@ -199,6 +209,7 @@ class Report:
                                where="; ".join(p.lines), saved_us=p.saved_us))
         for e in self.events:
             out.append(_record(kind=e.kind, reason=e.reason, count=e.count,
+                               launched=e.launched if e.kind == "boundary" else None,
                                where="; ".join(line for line, _ in e.lines)))
         for i, step in enumerate(self.steps):
             out.append(_record(kind="step", id=i, **step))
@@ -296,7 +307,8 @@ def collect(engine) -> Report:
     for c in counters:
         for key, lines in list(c.where.items()):
             where[key].update(lines)
-    events = [Event(kind, reason, n, tuple(where[(kind, reason)].most_common()))
+    events = [Event(kind, reason, n, tuple(where[(kind, reason)].most_common()),
+                    stats.flushes.get(reason, 0) if kind == "boundary" else 0)
               for kind, table in (("fallback", stats.fallbacks), ("boundary", stats.boundaries))
               for reason, n in table.items()]
     events.sort(key=lambda e: (e.kind != "fallback", -e.count, e.reason))
@@ -367,10 +379,10 @@ def advise(report: Report) -> list:
     out = []
     for e in report.events:
         at = e.where(2)
-        if e.kind == "boundary" and e.reason.startswith("host read: ") and e.count >= 2:
+        if e.kind == "boundary" and e.reason.startswith("host read: ") and e.launched >= 2:
             what = e.reason[len("host read: "):]
             out.append(f"{what} at {at} read a value the engine had not computed yet, so the "
-                       f"deferred work was launched there ({e.count} times): the step splits "
+                       f"deferred work was launched there ({e.launched} times): the step splits "
                        "into separate graphs at that line. Read it less often (every N "
                        "steps), or after the optimizer step.")
         elif e.kind == "fallback" and e.reason.startswith("data-dependent output shape"):
@@ -409,6 +421,12 @@ def advise(report: Report) -> list:
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _rel(line: str) -> str:
+    """A user line for display: relative to the working directory when under it."""
+    cwd = os.getcwd() + os.sep
+    return line[len(cwd):] if line.startswith(cwd) else line
 
 
 def _record(**fields) -> dict:

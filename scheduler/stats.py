@@ -37,14 +37,15 @@ STEP_FIELDS = ("ops_deferred", "ops_eager", "replays", "graphs_compiled", "diver
 class Counters:
     """Mutable per-thread counters. Attribute names match ``Stats`` fields."""
 
-    __slots__ = _FIELDS + ("fallbacks", "boundaries", "compile_seconds", "where", "steps",
-                           "thread", "debug")
+    __slots__ = _FIELDS + ("fallbacks", "boundaries", "flushes", "compile_seconds", "where",
+                           "steps", "thread", "debug")
 
     def __init__(self):
         for f in _FIELDS:
             setattr(self, f, 0)
         self.fallbacks = collections.Counter()
         self.boundaries = collections.Counter()
+        self.flushes = collections.Counter()  # boundaries that launched deferred work
         self.compile_seconds = 0.0
         # ("fallback" | "boundary", reason) -> Counter of user lines (Note [Where events happen])
         self.where: dict = {}
@@ -62,7 +63,9 @@ class Counters:
             if k == n and self.debug >= 1:  # the ladder's level 1: each reason once
                 log.info("fallback: %s (first at %s)", reason, line)
 
-    def boundary(self, reason: str) -> None:
+    def boundary(self, reason: str, launched: bool = False) -> None:
+        if launched:
+            self.flushes[reason] += 1
         k = self.boundaries[reason] + 1
         self.boundaries[reason] = k
         if k <= _ALL_LINES or not k % _EVERY:
@@ -108,6 +111,7 @@ class Stats:
     compile_seconds: float = 0.0
     fallbacks: dict = dataclasses.field(default_factory=dict)
     boundaries: dict = dataclasses.field(default_factory=dict)
+    flushes: dict = dataclasses.field(default_factory=dict)  # boundaries that launched work
 
     @property
     def launches_saved(self) -> int:
@@ -168,13 +172,15 @@ class Stats:
 
 def snapshot(counters) -> Stats:
     total = {f: 0 for f in _FIELDS}
-    fallbacks, boundaries = collections.Counter(), collections.Counter()
+    fallbacks, boundaries, flushes = (collections.Counter(), collections.Counter(),
+                                      collections.Counter())
     seconds = 0.0
     for c in counters:
         for f in _FIELDS:
             total[f] += getattr(c, f)
         fallbacks.update(c.fallbacks)
         boundaries.update(c.boundaries)
+        flushes.update(c.flushes)
         seconds += c.compile_seconds
     intercepted = (
         total["ops_deferred"] + total["ops_eager"] + total["ops_views"] + total["ops_host"]
@@ -186,5 +192,6 @@ def snapshot(counters) -> Stats:
         compile_seconds=seconds,
         fallbacks=dict(fallbacks),
         boundaries=dict(boundaries),
+        flushes=dict(flushes),
         **total,
     )

@@ -2,6 +2,7 @@
 caused them, cold paths and why, advice, per-step records, CSV and the plot."""
 
 import csv
+import os
 import sys
 
 import pytest
@@ -19,6 +20,13 @@ def line_of(marker: str) -> str:
             if marker in text and "line_of(" not in text:
                 return f"{HERE}:{n}"
     raise AssertionError(marker)
+
+
+def shown(marker: str) -> str:
+    """The same line as reports display it: relative to the working directory if under it."""
+    line = line_of(marker)
+    cwd = os.getcwd() + os.sep
+    return line[len(cwd):] if line.startswith(cwd) else line
 
 
 def train(steps, read_every=0, nonzero=False):
@@ -53,7 +61,8 @@ def test_hot_paths_name_their_lines_replays_and_time_saved():
                                         for op, _ in main.ops)
     text = repr(r)
     assert f"graph{main.gid}: {main.n_ops} ops, replayed {main.replays}x" in text
-    assert line_of("[forward]") in text
+    assert shown("[forward]") in text
+    assert r.advice == []  # nothing in this loop costs a launch that could be saved
     step = next(e for e in r.events_of("boundary") if e.reason == "optimizer step")
     assert step.count == 8 and step.lines[0][0] == line_of("[step]")
 
@@ -68,9 +77,10 @@ def test_fallback_and_boundary_name_the_user_line_and_advise():
     item = next(e for e in r.events_of("boundary") if e.reason == "host read: .item()")
     assert item.count >= 5 and item.lines[0][0] == line_of("[item]")
     advice = "\n".join(r.advice)
-    assert f".item() at {line_of('[item]')}" in advice
-    assert f"aten.nonzero.default at {line_of('[nonzero]')}" in advice
-    assert f"{line_of('[nonzero]')}" in repr(r)
+    assert item.launched >= 5  # each split a deferred segment
+    assert f".item() at {shown('[item]')}" in advice
+    assert f"aten.nonzero.default at {shown('[nonzero]')}" in advice
+    assert f"{shown('[nonzero]')}" in repr(r)
 
 
 def test_cold_paths_say_why():

@@ -251,7 +251,7 @@ class AdaptiveEagerMode(TorchDispatchMode):
         finally:
             S.reset()
             self.counters.segments += node is not None and node.depth > 0
-            self.counters.boundary(reason)
+            self.counters.boundary(reason, was_hot)
             if self.inbox:
                 learn.install(self)
 
