@@ -134,12 +134,14 @@ class Report:
                f"{s.launches} launches, {s.launches_saved} saved; {s.graphs_compiled} graphs "
                f"compiled ({s.compile_seconds:.2f} s in the background)"]
         out.append("")
-        out.append("Hot paths (each segment replayed as one launch):" + ("" if self.hot else " none"))
+        out.append("Hot paths (each segment replayed as one launch):"
+                   + ("" if self.hot else " none"))
         for p in self.hot[:SHOWN]:
             saved = ("" if p.saved_us is None else
                      f", saves {_us(p.saved_us)}/replay ({_us(p.cold_us)} cold -> "
                      f"{_us(p.replay_us)})")
-            out.append(f"  graph{p.gid}: {_n(p.n_ops, 'op')}, replayed {p.replays}x, {p.backend}{saved}")
+            how = f"{p.backend} ({p.why})" if p.why else p.backend
+            out.append(f"  graph{p.gid}: {_n(p.n_ops, 'op')}, replayed {p.replays}x, {how}{saved}")
             out.append(f"    lines {p.span()}")
             out.append(f"    ops   {p.op_summary()}")
         _more(out, self.hot, "hot paths")
@@ -175,7 +177,8 @@ class Report:
              f"{s.launches} launches, {s.launches_saved} saved; {s.graphs_compiled} graphs "
              f"compiled ({s.compile_seconds:.2f} s in the background)</p>"]
         h.append("<b>Hot paths</b>")
-        rows = [(f"graph{p.gid}", p.n_ops, p.replays, p.backend,
+        rows = [(f"graph{p.gid}", p.n_ops, p.replays,
+                 f"{p.backend} ({p.why})" if p.why else p.backend,
                  "" if p.saved_us is None else _us(p.saved_us), p.span(),
                  _details("ops", p.op_summary(100)) + _details("code", p.code, pre=True))
                 for p in self.hot]
@@ -305,8 +308,8 @@ def collect(engine) -> Report:
     paths.sort(key=lambda p: (order[p.state], -p.replays, -p.seen, p.gid))
     where: dict = collections.defaultdict(collections.Counter)
     for c in counters:
-        for key, lines in list(c.where.items()):
-            where[key].update(lines)
+        for key, lines in list(c.where.items()):  # copies: the owner thread may be adding
+            where[key].update(dict(lines))
     events = [Event(kind, reason, n, tuple(where[(kind, reason)].most_common()),
                     stats.flushes.get(reason, 0) if kind == "boundary" else 0)
               for kind, table in (("fallback", stats.fallbacks), ("boundary", stats.boundaries))

@@ -270,21 +270,37 @@ def run(path: Path, seg, ctx, counters) -> None:
 # seen, as in eager). Each segment end that launches deferred work adds an empty range
 # ``adaptive_eager::flush[<reason>]`` where the program forced it (``mark``). When not
 # profiling this costs one C call per launch.
+# The ranges are opened with the profiler's C entry points, not ``record_function``, whose
+# enter and exit are aten ops that would pass through this engine's own dispatch mode.
 _profiling = torch._C._autograd._profiler_enabled
+_enter = torch._C._autograd._record_function_with_args_enter
+_exit = torch._C._autograd._record_function_with_args_exit
 _NO_RANGE = contextlib.nullcontext()
+
+
+class _Range:
+    __slots__ = ("name", "handle")
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __enter__(self):
+        self.handle = _enter(self.name)
+
+    def __exit__(self, *exc):
+        _exit(self.handle)
 
 
 def _range(path: Path, n_ops: int):
     if not _profiling():
         return _NO_RANGE
-    return torch.profiler.record_function(f"adaptive_eager::graph{path.gid}[{n_ops} ops]")
+    return _Range(f"adaptive_eager::graph{path.gid}[{n_ops} ops]")
 
 
 def mark(reason: str) -> None:
     """An instant event in the profiler's trace (an empty range), if it is recording."""
     if _profiling():
-        with torch.profiler.record_function(f"adaptive_eager::flush[{reason}]"):
-            pass
+        _exit(_enter(f"adaptive_eager::flush[{reason}]"))
 
 
 def _fused_graph(path: Path, seg, live: tuple, ctx, counters):

@@ -173,3 +173,31 @@ def test_parquet_without_pandas_says_what_to_install(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "pandas", None)
     with pytest.raises(ImportError, match="needs pandas"):
         ae.explain().to_parquet(tmp_path / "x.parquet")
+
+
+def test_readme_shows_what_the_example_prints():
+    """The README's explain() output is the example's: same events at the same lines, same
+    advice (counts and timings may differ from run to run)."""
+    import pathlib
+    import re
+    import subprocess
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text()
+    block = readme.split("`python examples/debugging.py`", 1)[1].split("```text\n", 1)[1]
+    block = block.split("```", 1)[0]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_ADAPTIVE_EAGER")}
+    env["NEURON_ADAPTIVE_EAGER_SUSPEND_RATIO"] = "0"  # as in the tests: no timing decisions
+    fresh = subprocess.run([sys.executable, "examples/debugging.py"], cwd=root, env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert fresh.returncode == 0, fresh.stderr
+
+    def events(text):
+        return {re.sub(r"^\s*[\d\s]+", "", line) for line in text.splitlines() if "[at " in line}
+
+    def advice(text):
+        return {re.sub(r"\(\d+ times\)", "", line) for line in text.splitlines()
+                if line.startswith("  - ")}
+
+    assert events(block) and events(block) <= events(fresh.stdout)
+    assert advice(block) == advice(fresh.stdout)
