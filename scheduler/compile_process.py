@@ -27,17 +27,21 @@ reason; the engine counts it and the path keeps its exact replay.
 from __future__ import annotations
 
 import io
+import logging
 import os
 import pickle
+import select
 import struct
 import subprocess
 import sys
 import threading
+import time
 
 import torch
 
 __all__ = ["CompileProcess", "CompileProcessError", "dumps", "loads", "shared"]
 
+log = logging.getLogger("adaptive_eager")
 _HEADER = struct.Struct("<Q")
 # Settings of the user's environment the child must not inherit: it would enable the engine
 # in the child (autoload) or try to read the user's program's own configuration.
@@ -93,10 +97,28 @@ def _read(stream) -> bytes | None:
 # The child runs at the lowest CPU priority, set before it imports anything: on a machine with
 # few cores, a compile at normal priority preempts the loop's intra-op threads, whose barrier
 # then waits a whole scheduler slice (a 0.4 ms step measured at 2-6 ms; at nice 19, 0.5 ms).
+_CHILD_NORMAL = ("import runpy\n"
+                 "runpy.run_module('adaptive_eager.scheduler.compile_process', "
+                 "run_name='__main__')\n")
 _CHILD = ("import os\n"
           "try:\n    os.nice(19)\nexcept (AttributeError, OSError):\n    pass\n"
-          "import runpy\n"
-          "runpy.run_module('adaptive_eager.scheduler.compile_process', run_name='__main__')\n")
+          + _CHILD_NORMAL)
+
+
+# Note [Starved compiles]: nice 19 gives the child what the loop leaves. A loop that keeps
+# every core busy (large tensors on the CPU, intra-op threads on all cores) leaves it about
+# 1.5 % of a core: a compile of a few CPU-seconds then took longer than 90 s of training
+# (measured: a 1M-float chain's graph never arrived), and the path stayed an exact replay.
+# So while a request waits, the child's CPU time is checked every ``STARVED_S`` seconds;
+# under ``STARVED_SHARE`` of one core it is *starved*: it is raised to this process's
+# priority for the rest of that compile (``setpriority``, where the system allows it), else
+# a new child is started at this process's priority and the request sent to it (an
+# unprivileged process can lower its children's priority, never raise it). The loop then
+# shares its cores with the compile for as long as it takes, and the child goes back to
+# nice 19 when it answers. Counted in ``escalated``; logged at NEURON_ADAPTIVE_EAGER_DEBUG=1.
+STARVED_S = 5.0
+STARVED_SHARE = 0.25
+LOW = 19  # the child's niceness
 
 
 class CompileProcess:
@@ -107,8 +129,9 @@ class CompileProcess:
         self._owner = os.getpid()  # a forked copy of this object must not use the pipes
         self._lock = threading.Lock()
         self.started = 0  # children started (a dead one is replaced at the next request)
+        self.escalated = 0  # requests raised to this process's priority (Note [Starved compiles])
 
-    def _start(self) -> subprocess.Popen:
+    def _start(self, low: bool = True) -> subprocess.Popen:
         env = {k: v for k, v in os.environ.items() if not k.startswith(_DROP_ENV_PREFIX)}
         # The kernels the child builds must be found here: one cache directory for both.
         # Where this process has not imported Inductor yet, the child derives the same
@@ -129,14 +152,12 @@ class CompileProcess:
             p for p in (root, env.get("PYTHONPATH")) if p)
         self.started += 1
         proc = subprocess.Popen(
-            [sys.executable, "-c", _CHILD],
+            [sys.executable, "-c", _CHILD if low else _CHILD_NORMAL],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
             env=env, close_fds=True,
         )
-        try:  # from here, not only from the child's first line: its start-up is low too
-            os.setpriority(os.PRIO_PROCESS, proc.pid, 19)
-        except (AttributeError, OSError):
-            pass
+        if low:  # from here, not only from the child's first line: its start-up is low too
+            _renice(proc.pid, LOW)
         return proc
 
     def _after_fork(self) -> None:
@@ -169,7 +190,7 @@ class CompileProcess:
                     raise CompileProcessError(f"could not start the compile process: {e}") from e
             try:
                 _write(proc.stdin, payload)
-                reply = _read(proc.stdout)
+                proc, reply = self._answer(proc, payload)
             except (BrokenPipeError, OSError):
                 reply = None
             if reply is None:
@@ -180,6 +201,35 @@ class CompileProcess:
         if status == "ok":
             return value
         raise value
+
+    def _answer(self, proc, payload: bytes):
+        """Wait for the child's reply, raising its priority if it starves (Note [Starved
+        compiles]); returns the child that answered and the reply (None: it died)."""
+        raised = False
+        cpu, since = _cpu_seconds(proc.pid), time.monotonic()
+        while not raised and cpu is not None:
+            if select.select([proc.stdout], [], [], STARVED_S)[0]:
+                break
+            now_cpu, now = _cpu_seconds(proc.pid), time.monotonic()
+            if now_cpu is None:
+                break  # it has ended: the read below says so
+            if now_cpu - cpu >= STARVED_SHARE * (now - since):
+                cpu, since = now_cpu, now
+                continue
+            raised = True
+            self.escalated += 1
+            log.info("adaptive_eager: the compile process had %.0f%% of a core for %.0f s: "
+                     "raised to this process's priority", 100 * (now_cpu - cpu) / (now - since),
+                     now - since)
+            if not _renice(proc.pid, os.getpriority(os.PRIO_PROCESS, 0)):
+                proc.kill()
+                proc.wait()
+                proc = self._proc = self._start(low=False)
+                _write(proc.stdin, payload)
+        reply = _read(proc.stdout)
+        if raised and reply is not None:
+            _renice(proc.pid, LOW)
+        return proc, reply
 
     def close(self) -> None:
         """End the child now; a compile it is running fails ("died") to its requester."""
@@ -192,6 +242,29 @@ class CompileProcess:
     def pid(self) -> int | None:
         proc = self._proc
         return None if proc is None or proc.poll() is not None else proc.pid
+
+
+def _renice(pid: int, nice: int) -> bool:
+    try:
+        os.setpriority(os.PRIO_PROCESS, pid, nice)
+        return True
+    except (AttributeError, OSError):
+        return False
+
+
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """CPU time the process has used (Linux ``/proc``), None if unknown or ended."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return None
+    if fields[0] in (b"Z", b"X"):  # ended, not yet reaped
+        return None
+    return (int(fields[11]) + int(fields[12])) / _TICKS  # utime + stime
 
 
 _SHARED = None

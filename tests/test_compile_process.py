@@ -189,3 +189,46 @@ def test_the_child_starts_when_a_path_is_first_learned_before_any_compile(monkey
         chain(x, 1.5).sum().item()  # seen once: learned, nothing to compile yet
         assert ae._engine().compiler.pending() == 0
         assert child.pid is not None
+
+
+@pytest.mark.parametrize("can_raise", [True, False])
+def test_a_starved_child_is_raised_to_this_process_priority(monkeypatch, can_raise):
+    """Note [Starved compiles]: a child that gets under STARVED_SHARE of a core while a
+    request waits is raised (setpriority) or, where the system refuses, replaced by a child
+    at this process's priority; either way it goes back to nice 19 once it has answered."""
+    monkeypatch.setattr(compile_process, "STARVED_S", 0.05)
+    monkeypatch.setattr(compile_process, "_cpu_seconds", lambda pid: 0.0)  # never progresses
+    renice = compile_process._renice
+    raised = []
+
+    def fake_renice(pid, nice):  # raising a priority needs privileges: simulated both ways
+        if nice < compile_process.LOW:
+            raised.append(pid)
+            return can_raise
+        return renice(pid, nice)  # lowering it is always allowed
+
+    monkeypatch.setattr(compile_process, "_renice", fake_renice)
+    child = compile_process.CompileProcess()
+    try:
+        # A request the child answers with an error at once (inductor_artifact's arguments
+        # missing): the wait before it is the child's start-up, at nice 19.
+        with pytest.raises(TypeError):
+            child.request(compile_process.pack(()))
+        assert child.escalated == 1
+        assert len(raised) == 1 and child.started == (1 if can_raise else 2)
+        assert os.getpriority(os.PRIO_PROCESS, child.pid) == compile_process.LOW
+    finally:
+        child.close()
+
+
+def test_a_child_that_progresses_is_left_at_low_priority(monkeypatch):
+    monkeypatch.setattr(compile_process, "STARVED_S", 0.05)
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(compile_process, "_cpu_seconds", lambda pid: float(next(ticks)))
+    child = compile_process.CompileProcess()
+    try:
+        with pytest.raises(TypeError):
+            child.request(compile_process.pack(()))
+        assert child.escalated == 0 and child.started == 1
+    finally:
+        child.close()
