@@ -21,6 +21,7 @@ import collections
 import csv
 import dataclasses
 import os
+import re
 import statistics
 from html import escape
 
@@ -380,6 +381,9 @@ def _steps(counters) -> list:
 def advise(report: Report) -> list:
     """Concrete advice, each naming the line it is about."""
     out = []
+    # fallbacks counted by an op that always runs eagerly: "<why>: <namespace>.<op>.<overload>"
+    boundary_ops = {e.reason for e in report.events if e.kind == "fallback"
+                    and re.fullmatch(r"[^:]+: \w+\.\w+\.\w+", e.reason)}
     for e in report.events:
         at = e.where(2)
         if e.kind == "boundary" and e.reason.startswith("host read: ") and e.launched >= 2:
@@ -393,6 +397,15 @@ def advise(report: Report) -> list:
             out.append(f"{op} at {at} returns a shape that depends on the data, so every "
                        "segment ends there and it runs eagerly: a fixed-shape form (a mask "
                        "with torch.where, or a padded result) keeps the step in one graph.")
+        elif e.kind == "fallback" and e.reason.startswith("device copy: ") and e.count >= 2:
+            out.append(f"A copy between devices at {at} runs eagerly and ends the segment "
+                       f"({e.count} times): move the data once, before the loop, or keep the "
+                       "step on one device.")
+        elif (e.kind == "fallback" and e.count >= 2 and e.reason in boundary_ops
+              and not e.reason.startswith("data-dependent output shape")):
+            what, op = e.reason.rsplit(": ", 1)
+            out.append(f"{op} at {at} always runs eagerly and ends the segment ({what}), "
+                       f"{e.count} times: the step splits into separate graphs there.")
         elif e.kind == "fallback" and e.reason.startswith("path cut: "):
             out.append(f"The program takes different ops from step to step ({e.reason[10:]}):"
                        " the path is cut there, one extra launch per step. Make the branch "

@@ -201,3 +201,33 @@ def test_readme_shows_what_the_example_prints():
 
     assert events(block) and events(block) <= events(fresh.stdout)
     assert advice(block) == advice(fresh.stdout)
+
+
+def test_advice_on_a_device_copy_and_other_eager_ops():
+    import adaptive_eager.neuron  # noqa: F401
+
+    x = torch.randn(8)
+
+    def step():
+        y = (x * 2).to("neuron")  # [copy]
+        z = (y + 1).cpu()
+        return z.sum().item()
+
+    with ae.enabled(devices=("cpu", "neuron"), backend="exact"):
+        for _ in range(4):
+            step()
+    advice = "\n".join(ae.explain().advice)
+    assert f"A copy between devices at {shown('[copy]')}" in advice
+
+
+def test_advice_names_ops_outside_aten():
+    lib = torch.library.Library("ae_explain_test", "DEF")
+    lib.define("scale(Tensor x) -> Tensor")
+    lib.impl("scale", lambda x: x * 3, "CompositeExplicitAutograd")
+    x = torch.randn(8)
+    with ae.enabled(devices=("cpu",), backend="exact"):
+        for _ in range(3):
+            torch.ops.ae_explain_test.scale(x + 1).sum().item()  # [custom]
+    advice = "\n".join(ae.explain().advice)
+    assert (f"ae_explain_test.scale.default at {shown('[custom]')} always runs eagerly and ends "
+            "the segment (op outside aten (ae_explain_test)), 3 times") in advice
