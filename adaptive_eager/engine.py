@@ -187,7 +187,7 @@ class Engine:
         if m is not None and not m.paused:
             if not m.governor.off:
                 m.boundary("optimizer step")
-            m.governor.optimizer_step(m, self.compiler.pending() > 0)
+            m.governor.optimizer_step(m)
 
     def _at_exit(self) -> None:
         try:

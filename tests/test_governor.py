@@ -157,3 +157,47 @@ def test_read_methods_are_wrapped_only_while_the_engine_is_enabled():
             pass
         assert torch.Tensor.item is not item
     assert torch.Tensor.item is item and torch.Tensor.__bool__ is as_bool
+
+
+def test_measured_while_compiling_and_back_when_the_graph_arrives(monkeypatch):
+    """Note [Measured while compiling]: a compile that has not finished does not keep a
+    slower loop on the engine; the graph's arrival ends the suspension at the next step."""
+    import threading
+
+    from adaptive_eager.engine import ENGINE
+    from adaptive_eager.scheduler import launch
+
+    monkeypatch.setenv("NEURON_ADAPTIVE_EAGER_SUSPEND_RATIO", "1e-9")  # always "slower"
+    release = threading.Event()
+    compile_graph = launch.compile_graph
+
+    def held(*args, **kwargs):  # the compile finishes only when the test says so
+        release.wait(60)
+        return compile_graph(*args, **kwargs)
+
+    monkeypatch.setattr(launch, "compile_graph", held)
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(3, 8)
+
+    def step():
+        model(x).sum().backward()
+        opt.step()
+
+    try:
+        with ae.enabled(devices=("cpu",), backend="inductor"):
+            for _ in range(4 + 2 * WINDOW + 1):
+                step()
+            assert ENGINE.compiler.pending() > 0  # still compiling ...
+            aside = ae.stats().steps_suspended
+            assert 1 <= aside < FIRST_BACKOFF - 2  # ... and aside all the same
+            release.set()
+            assert ENGINE.compiler.wait_idle(120)  # delivered, not yet installed
+            step()  # still aside; the arrival ends the suspension
+            d = Delta()
+            step()
+            assert ae.stats().steps_suspended == aside + 1  # not the whole back-off
+            assert d.ops_intercepted > 0 and ae.stats().graphs_compiled == 1
+    finally:
+        release.set()
