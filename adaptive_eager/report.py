@@ -428,6 +428,14 @@ def advise(report: Report) -> list:
         elif e.kind == "fallback" and e.reason.startswith("deterministic algorithms"):
             out.append("torch.use_deterministic_algorithms(True) is on: the engine does not "
                        "defer under it.")
+    s = report.stats
+    if s.ops_intercepted == 0:
+        out.append("The engine has intercepted no op: enable it on the thread that runs the "
+                   "program (ae.enable(), or NEURON_ADAPTIVE_EAGER=1 before Python starts).")
+    elif s.ops_passthrough > (s.ops_intercepted - s.ops_passthrough):
+        out.append(f"{s.ops_passthrough} of {s.ops_intercepted} ops ran on devices the engine "
+                   "does not manage: put the model and data on a managed device, or list "
+                   "theirs in devices= (NEURON_ADAPTIVE_EAGER_DEVICES).")
     once = sum(1 for p in report.cold if p.state == "cold" and p.seen <= 1)
     if once >= 16 and once > 2 * len(report.hot):
         out.append(f"{once} paths were seen only once: the program rarely repeats the same "

@@ -231,3 +231,15 @@ def test_advice_names_ops_outside_aten():
     advice = "\n".join(ae.explain().advice)
     assert (f"ae_explain_test.scale.default at {shown('[custom]')} always runs eagerly and ends "
             "the segment (op outside aten (ae_explain_test)), 3 times") in advice
+
+
+def test_advice_when_nothing_is_managed():
+    assert "The engine has intercepted no op" in "\n".join(ae.explain().advice)
+    import adaptive_eager.neuron  # noqa: F401
+
+    x = torch.randn(16)
+    with ae.enabled(devices=("neuron",), backend="exact"):
+        for _ in range(3):
+            (x * 2 + 1).sum().item()  # cpu tensors: not managed
+    advice = "\n".join(ae.explain().advice)
+    assert "ran on devices the engine does not manage" in advice
