@@ -31,6 +31,8 @@ from adaptive_eager.scheduler.stats import STEP_FIELDS
 __all__ = ["Report", "PathInfo", "Event", "collect"]
 
 SHOWN = 8  # paths and lines listed per section in the text and HTML views
+EVENTS_SHOWN = 20  # fallback and boundary reasons listed per section in the text view
+CODE_SHOWN = 20_000  # characters of a graph's code in the HTML view
 RECORD_FIELDS = ("kind", "id", "state", "backend", "ops", "count", "launched", "reason",
                  "where", "saved_us", "ops_deferred", "ops_eager", "launches", "compiles",
                  "divergences", "suspended")
@@ -152,16 +154,18 @@ class Report:
         _more(out, self.cold, "paths")
         events = self.events_of("fallback")
         out.append("Fallbacks (fast path not taken), count:" + ("" if events else " none"))
-        for e in events:
+        for e in events[:EVENTS_SHOWN]:
             where = e.where()
             out.append(f"  {e.count:>7}  {e.reason}" + (f"  [at {where}]" if where else ""))
+        _more(out, events, "fallback reasons", EVENTS_SHOWN, "Report.events")
         events = self.events_of("boundary")
         out.append("Boundaries (where segments end), count / launching deferred work:"
                    + ("" if events else " none"))
-        for e in events:
+        for e in events[:EVENTS_SHOWN]:
             where = e.where()
             out.append(f"  {e.count:>7} {e.launched:>7}  {e.reason}"
                        + (f"  [at {where}]" if where else ""))
+        _more(out, events, "boundary reasons", EVENTS_SHOWN, "Report.events")
         out.append("Advice:" + ("" if self.advice else " none"))
         out += [f"  - {a}" for a in self.advice]
         return "\n".join(out)
@@ -478,14 +482,18 @@ def _us(us: float) -> str:
     return f"{us / 1e3:.2f} ms" if abs(us) >= 1000 else f"{us:.0f} us"
 
 
-def _more(out: list, items: list, what: str) -> None:
-    if len(items) > SHOWN:
-        out.append(f"  ... and {len(items) - SHOWN} more {what} (Report.paths has them all)")
+def _more(out: list, items: list, what: str, shown: int = SHOWN,
+          where: str = "Report.paths") -> None:
+    if len(items) > shown:
+        out.append(f"  ... and {len(items) - shown} more {what} ({where} has them all)")
 
 
 def _details(title: str, text: str, pre: bool = False) -> str:
     if not text:
         return ""
+    if len(text) > CODE_SHOWN:  # a whole training step's graph is long: Report.code(gid)
+        text = (text[:CODE_SHOWN] + f"\n... {len(text) - CODE_SHOWN} more characters "
+                "(Report.code(gid) has it all)")
     body = f"<pre>{escape(text)}</pre>" if pre else escape(text)
     return f"<details><summary>{title}</summary>{body}</details>"
 

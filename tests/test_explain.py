@@ -243,3 +243,15 @@ def test_advice_when_nothing_is_managed():
             (x * 2 + 1).sum().item()  # cpu tensors: not managed
     advice = "\n".join(ae.explain().advice)
     assert "ran on devices the engine does not manage" in advice
+
+
+def test_long_sections_are_cut_with_a_pointer_to_the_rest():
+    from adaptive_eager import report as rp
+
+    events = tuple(rp.Event("fallback", f"reason {i}", 30 - i, ()) for i in range(25))
+    r = rp.Report(ae.stats(), [], list(events), [], [], 2)
+    text = repr(r)
+    assert "reason 19" in text and "reason 20" not in text
+    assert "... and 5 more fallback reasons (Report.events has them all)" in text
+    html = rp._details("code", "x" * (rp.CODE_SHOWN + 7), pre=True)
+    assert "... 7 more characters (Report.code(gid) has it all)" in html
