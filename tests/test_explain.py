@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import adaptive_eager as ae
+import adaptive_eager.neuron  # noqa: F401 - registered before autograd starts its device threads
 
 HERE = __file__
 
@@ -204,8 +205,6 @@ def test_readme_shows_what_the_example_prints():
 
 
 def test_advice_on_a_device_copy_and_other_eager_ops():
-    import adaptive_eager.neuron  # noqa: F401
-
     x = torch.randn(8)
 
     def step():
@@ -235,8 +234,6 @@ def test_advice_names_ops_outside_aten():
 
 def test_advice_when_nothing_is_managed():
     assert "The engine has intercepted no op" in "\n".join(ae.explain().advice)
-    import adaptive_eager.neuron  # noqa: F401
-
     x = torch.randn(16)
     with ae.enabled(devices=("neuron",), backend="exact"):
         for _ in range(3):
@@ -255,3 +252,26 @@ def test_long_sections_are_cut_with_a_pointer_to_the_rest():
     assert "... and 5 more fallback reasons (Report.events has them all)" in text
     html = rp._details("code", "x" * (rp.CODE_SHOWN + 7), pre=True)
     assert "... 7 more characters (Report.code(gid) has it all)" in html
+
+
+@pytest.mark.parametrize("device", ["cpu", "neuron"])
+def test_a_real_model_is_explained_with_its_own_lines(device):
+    """A Hugging Face Llama training step: the hot path's lines are in the model's code and
+    the training loop, none unknown -- on neuron autograd runs backward on a device worker
+    thread, whose ops take their lines from the thread that called backward()."""
+    pytest.importorskip("transformers")
+    zoo = pytest.importorskip("benchmarks.zoo")
+    model, batch = zoo.build("llama", "tiny")
+    model.to(device)
+    batch = {k: v.to(device) for k, v in batch.items()}
+    step = zoo.train_step(model, batch)
+    with ae.enabled(devices=(device,), backend="exact"):
+        for _ in range(6):
+            step()
+    r = ae.explain()
+    main = max(r.hot, key=lambda p: p.n_ops)
+    assert main.n_ops > 100 and main.replays >= 2
+    assert "<unknown>" not in main.lines
+    assert any("modeling_llama.py" in line for line in main.lines)
+    assert any(line.startswith(zoo.__file__) for line in main.lines)  # loss.backward()
+    assert all("<unknown>" not in line for e in r.events for line, _ in e.lines)
