@@ -25,7 +25,7 @@ import re
 import statistics
 from html import escape
 
-from adaptive_eager.scheduler.launch import COLD, HOT, RETIRED, WARM
+from adaptive_eager.scheduler.launch import HOT, RETIRED, WARM
 from adaptive_eager.scheduler.stats import STEP_FIELDS
 
 __all__ = ["Report", "PathInfo", "Event", "collect"]
@@ -354,7 +354,6 @@ def _path_info(engine, mode, node) -> PathInfo:
                    f"{threshold}")
         else:
             why = "ended only where the program ran with the engine aside or paused"
-    assert path.state in (COLD, WARM, HOT, RETIRED)
     return PathInfo(
         gid=path.gid, state=state, backend=backend, n_ops=len(path.specs),
         replays=path.replays, seen=node.ends, lines=path.lines,
