@@ -84,8 +84,9 @@ class paused:
     """``with ae.paused():`` -- the block runs in plain eager, the engine's state kept.
 
     On entry the work the engine holds is launched (a debugger stepping through the block
-    sees every value computed); inside, ops run as they are, unlearned (counted as passed through); after it,
-    the engine goes on with what it had learned. Nothing to do where the engine is off.
+    sees every value computed); inside, ops run as they are, unlearned (counted as passed
+    through); after it, the engine goes on with what it had learned. Nothing to do where the
+    engine is off.
     """
 
     def __enter__(self):

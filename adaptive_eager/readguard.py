@@ -24,8 +24,12 @@ import torch
 
 __all__ = ["install", "GUARDED"]
 
-GUARDED = ("tolist", "numpy", "__array__", "data_ptr", "__repr__", "__reduce_ex__",
-           "__dlpack__")
+# The guarded methods, and the boundary reason of each in the program's words (explain()
+# groups host reads by them).
+_READS = {"tolist": ".tolist()", "numpy": ".numpy()", "__array__": "numpy.asarray()",
+          "data_ptr": ".data_ptr()", "__repr__": "print() / repr()",
+          "__reduce_ex__": "pickle / torch.save", "__dlpack__": "__dlpack__"}
+GUARDED = tuple(_READS)
 
 _ORIGINAL: dict = {}
 _lock = threading.Lock()
@@ -77,12 +81,6 @@ def _count(engine, original):
         return original(self, *args, **kwargs)
 
     return counted
-
-
-# Boundary reasons, in the program's words (explain() groups host reads by them).
-_READS = {"tolist": ".tolist()", "numpy": ".numpy()", "__array__": "numpy.asarray()",
-          "data_ptr": ".data_ptr()", "__repr__": "print() / repr()",
-          "__reduce_ex__": "pickle / torch.save", "__dlpack__": "__dlpack__"}
 
 
 def _guard(engine, name, original):

@@ -10,9 +10,10 @@ So fused compiles run in one long-lived child process (``python -m
 adaptive_eager.scheduler.compile_process``), started when the engine first learns a path and
 shared by every engine of the process. The compiler thread sends it the request (the
 path's ops, metadata, plan and specialized floats: everything ``backends.trace`` reads),
-blocks on the pipe without the lock, and gets back Inductor's serialized output (the ``CompiledFxGraph`` that Inductor's
-own FX graph cache stores). Loading it here executes the generated wrapper, whose kernels the
-child already built into the shared Inductor cache directory: milliseconds, not seconds.
+blocks on the pipe without the lock, and gets back Inductor's serialized output (the
+``CompiledFxGraph`` that Inductor's own FX graph cache stores). Loading it here executes the
+generated wrapper, whose kernels the child already built into the shared Inductor cache
+directory: milliseconds, not seconds.
 
 The child also keeps Inductor's tracing state out of this process: ``make_fx`` sets
 ``torch.fx``'s process-wide tracing flag, which made a ``torch.compile``'d function on any
@@ -129,7 +130,8 @@ class CompileProcess:
         self._owner = os.getpid()  # a forked copy of this object must not use the pipes
         self._lock = threading.Lock()
         self.started = 0  # children started (a dead one is replaced at the next request)
-        self.escalated = 0  # requests raised to this process's priority (Note [Starved compiles])
+        self.escalated = 0  # requests raised to this process's priority (Note [Starved
+        # compiles])
 
     def _start(self, low: bool = True) -> subprocess.Popen:
         env = {k: v for k, v in os.environ.items() if not k.startswith(_DROP_ENV_PREFIX)}
@@ -218,7 +220,7 @@ class CompileProcess:
                 continue
             raised = True
             self.escalated += 1
-            log.info("adaptive_eager: the compile process had %.0f%% of a core for %.0f s: "
+            log.info("the compile process had %.0f%% of a core for %.0f s: "
                      "raised to this process's priority", 100 * (now_cpu - cpu) / (now - since),
                      now - since)
             if not _renice(proc.pid, os.getpriority(os.PRIO_PROCESS, 0)):
