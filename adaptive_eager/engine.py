@@ -22,7 +22,7 @@ from adaptive_eager.scheduler.queues import set_depth, synchronize_all
 from adaptive_eager.scheduler.stats import snapshot
 from adaptive_eager.tracer.mode import AdaptiveEagerMode, skip_rule_lookup
 
-from . import readguard
+from . import cudaguard, readguard
 from .config import Config
 from .governor import Governor
 
@@ -68,6 +68,8 @@ class Engine:
 
                 hardware.add_flush_hook(self._flush_for_device)
                 readguard.install(self, NeuronTensor)  # its own __repr__, tolist, ...
+        if "cuda" in config.devices:
+            cudaguard.install(self._flush_for_device)
         self._install_hooks()
         if self.cache._lru.maxsize != config.cache_size:
             self.cache.resize(config.cache_size)

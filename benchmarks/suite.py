@@ -10,6 +10,7 @@ How each figure is computed, and why all modes share one process: benchmarks/REA
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import contextlib
 import datetime
@@ -20,7 +21,9 @@ import platform
 import statistics
 import sys
 import tempfile
+import threading
 import time
+import traceback
 import warnings
 
 WORKLOAD_NAMES = ("chain-small", "chain-large", "mlp-train", "llama-train", "llama-train-m",
@@ -197,14 +200,30 @@ class _OwnThread:
     ``adaptive`` and ``adaptive-exact`` keep their paths and graphs side by side while the
     suite interleaves the modes' timed rounds; every mode gets the same treatment."""
 
-    def __init__(self):
-        self._pool = concurrent.futures.ThreadPoolExecutor(1)
+    def __init__(self, device: str = "cpu"):
+        init = _cudagraph_trees_on_this_thread if device == "cuda" else None
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, initializer=init)
 
     def __call__(self, fn, *args):
         return self._pool.submit(fn, *args).result()
 
     def close(self):
         self._pool.shutdown()
+
+
+def _cudagraph_trees_on_this_thread():
+    """torch.compile's CUDA graph trees (``reduce-overhead``) keep their managers in state
+    that, before torch 2.13, only the importing thread and autograd's threads had (another
+    thread failed an assertion): a mode thread gets its own, which its autograd threads
+    inherit through the thread-local stash. torch 2.13 does the same by itself."""
+    import torch
+    from torch._inductor import cudagraph_trees as trees
+
+    if not torch._C._is_key_in_tls("tree_manager_containers"):
+        trees.local.tree_manager_containers = {}
+        trees.local.tree_manager_locks = collections.defaultdict(threading.Lock)
+        torch._C._stash_obj_in_tls("tree_manager_containers", trees.local.tree_manager_containers)
+        torch._C._stash_obj_in_tls("tree_manager_locks", trees.local.tree_manager_locks)
 
 
 def run_workload(name, a, results, log):
@@ -217,11 +236,12 @@ def run_workload(name, a, results, log):
     runs, threads, rows = {}, {}, []
 
     def failed(mode, e):
-        results["failed"].append(dict(workload=name, mode=mode, error=_one_line(e)))
+        results["failed"].append(dict(workload=name, mode=mode, error=_one_line(e),
+                                      traceback="".join(traceback.format_exception(e))))
         runs.pop(mode, None)
 
     for mode in a.modes:
-        threads[mode] = _OwnThread()
+        threads[mode] = _OwnThread(a.device)
         try:
             runs[mode] = threads[mode](MODES[mode].build, builder, a.device, a.size)
         except NotApplicable as e:

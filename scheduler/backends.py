@@ -116,6 +116,28 @@ class Graph:
     mutates_external: bool = False
     gid: int = 0
     spec_values: tuple = ()  # the specialized floats compiled in (Note [Float variants])
+    device: torch.device = torch.device("cpu")  # where its kernels run: the packed floats go
+
+
+def graph_device(ext_metas, live_metas: dict, device_map=None) -> torch.device:
+    """The device a traced graph's kernels run on: its tensors' (after ``device_map``)."""
+    for m in (*ext_metas, *live_metas.values()):
+        return torch.device(meta_on(m, device_map).device)
+    return torch.device("cpu")
+
+
+def packed_floats(values: list, device: torch.device) -> torch.Tensor:
+    """The lifted floats as a graph's packed input (Note [Graph inputs]), on its device.
+
+    A GPU graph's kernels read them from device memory: they are staged in pinned host
+    memory and copied on the current stream without the host waiting (the host allocator
+    keeps the staging block until the copy has run). A copy from pageable memory would make
+    the host wait for everything queued before it.
+    """
+    if device.type == "cpu":
+        return torch.tensor(values, dtype=torch.float64)
+    staged = torch.tensor(values, dtype=torch.float64, pin_memory=True)
+    return staged.to(device, non_blocking=True)
 
 
 def exact_graph(specs, n_ext: int, device_map=None, kernels=None) -> Graph:
@@ -158,7 +180,7 @@ def trace(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values: tuple
     lift_index = {pos: i for i, pos in enumerate(the_plan.lifted)}
     special = dict(zip(the_plan.specialized, spec_values))
     has_packed = bool(the_plan.lifted)
-    device = next(iter(m.device for m in list(ext_metas) + list(live_metas.values())), "cpu")
+    device = graph_device(ext_metas, live_metas)
 
     def program(*inputs):
         exts = [None] * n_ext
@@ -234,10 +256,12 @@ def _inductor_compile(specs, ext_metas, live_metas, the_plan, spec_values, devic
     return compiled, gm.code, time.perf_counter() - start
 
 
-def _inductor_graph(run, code, seconds, ext_metas, live_metas, the_plan, spec_values, n_ops):
+def _inductor_graph(run, code, seconds, ext_metas, live_metas, the_plan, spec_values, n_ops,
+                    device_map):
     return Graph("inductor", run, tuple(live_metas), the_plan, len(ext_metas), n_ops,
                  compile_seconds=seconds, code=code,
-                 mutates_external=bool(the_plan.mutated_inputs), spec_values=tuple(spec_values))
+                 mutates_external=bool(the_plan.mutated_inputs), spec_values=tuple(spec_values),
+                 device=graph_device(ext_metas, live_metas, device_map))
 
 
 def inductor_graph(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values,
@@ -250,7 +274,7 @@ def inductor_graph(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_valu
                                                 spec_values, device_map, kernels)
     run = getattr(compiled, "current_callable", None) or compiled
     return _inductor_graph(run, code, seconds, ext_metas, live_metas, the_plan, spec_values,
-                           len(specs))
+                           len(specs), device_map)
 
 
 def inductor_artifact(specs, ext_metas, live_metas, the_plan, spec_values, device_map=None,
@@ -278,7 +302,7 @@ def remote_inductor_graph(specs, ext_metas, live_metas: dict, the_plan: Plan, sp
 
     compiled.after_deserialization(CompiledFxGraphConstants())
     return _inductor_graph(compiled.current_callable, code, seconds, ext_metas, live_metas,
-                           the_plan, spec_values, len(specs))
+                           the_plan, spec_values, len(specs), device_map)
 
 
 def neuron_graph(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values,
@@ -302,7 +326,8 @@ def neuron_graph(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values
 
     return Graph("neuron", run, tuple(live_metas), the_plan, len(ext_metas), len(specs),
                  compile_seconds=time.perf_counter() - start, code=gm.code,
-                 mutates_external=bool(the_plan.mutated_inputs), spec_values=tuple(spec_values))
+                 mutates_external=bool(the_plan.mutated_inputs), spec_values=tuple(spec_values),
+                 device=graph_device(ext_metas, live_metas, device_map))
 
 
 BACKENDS = {"inductor": inductor_graph, "neuron": neuron_graph,
@@ -321,5 +346,4 @@ def compile_graph(backend: str, specs, ext_metas, live_metas, the_plan, spec_val
 
 
 def _on_cpu(ext_metas, live_metas, device_map) -> bool:
-    metas = [meta_on(m, device_map) for m in (*ext_metas, *live_metas.values())]
-    return all(torch.device(m.device).type == "cpu" for m in metas)
+    return graph_device(ext_metas, live_metas, device_map).type == "cpu"

@@ -36,7 +36,7 @@ import time
 
 import torch
 
-from .backends import Graph, compile_graph, exact_graph, plan
+from .backends import Graph, compile_graph, exact_graph, packed_floats, plan
 from .compiler import GraphKey
 from .program import Ext, OpFailed, Rec, alias_groups, host_call, interpret
 from .queues import queue_for
@@ -238,8 +238,8 @@ def run(path: Path, seg, ctx, counters) -> None:
     if graph is not None:
         inputs = [exts[k] for k in graph.plan.ext_inputs]
         if graph.plan.lifted:
-            inputs.append(torch.tensor([floats[n][j] for n, j in graph.plan.lifted],
-                                       dtype=torch.float64))
+            inputs.append(packed_floats([floats[n][j] for n, j in graph.plan.lifted],
+                                        graph.device))
         inputs += [run_targets[i] for i in graph.live]
         fn, args = _run_fused, (path, graph, inputs, (exts, floats, seg.rng))
     else:
