@@ -79,9 +79,9 @@ VARIABLES: tuple[Var, ...] = (
         "beyond it waits for the device first (bounds how far the host runs ahead and the "
         "memory queued launches hold), counted.", minimum=1),
     Var("NEURON_ADAPTIVE_EAGER_COMPILE_PROCESS", "compile_process", "bool", True,
-        "1: fused graphs whose kernels run on the CPU compile in a separate process, so the "
-        "loop never waits for the interpreter lock while they compile; 0: on a thread of "
-        "this process."),
+        "1: fused graphs whose kernels run on the CPU or on CUDA compile in a separate "
+        "process, so the loop never waits for the interpreter lock while they compile; 0: "
+        "on a thread of this process."),
     Var("NEURON_EMULATOR_LAUNCH_US", "emulator_launch_us", "float", 10.0,
         "Modelled launch latency of the emulated `neuron` device, in microseconds, paid per "
         "launch on the device's timeline (not by the host); see README, The neuron device.",

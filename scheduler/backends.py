@@ -336,14 +336,17 @@ BACKENDS = {"inductor": inductor_graph, "neuron": neuron_graph,
 
 def compile_graph(backend: str, specs, ext_metas, live_metas, the_plan, spec_values,
                   device_map=None, kernels=None, process: bool = False) -> Graph:
-    """Compile one variant. ``process``: Inductor runs in the compile process where the
-    kernels run on the CPU (Note [Compiles leave the process]); GPU kernels and other
-    backends compile on this thread."""
-    if process and backend == "inductor" and _on_cpu(ext_metas, live_metas, device_map):
+    """Compile one variant. ``process``: Inductor runs in the compile process for graphs on
+    the CPU or CUDA (Note [Compiles leave the process]); other backends and devices compile
+    on this thread."""
+    if (process and backend == "inductor"
+            and graph_device(ext_metas, live_metas, device_map).type in PROCESS_DEVICES):
         backend = "inductor-process"
     return BACKENDS[backend](specs, ext_metas, live_metas, the_plan, spec_values, device_map,
                              kernels)
 
 
-def _on_cpu(ext_metas, live_metas, device_map) -> bool:
-    return graph_device(ext_metas, live_metas, device_map).type == "cpu"
+# Where the compile process compiles: the CPU, and CUDA (the child makes its own CUDA
+# context; the Triton kernels it builds land in the shared cache directory, where loading
+# the graph here finds them).
+PROCESS_DEVICES = ("cpu", "cuda")

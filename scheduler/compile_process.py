@@ -13,7 +13,9 @@ path's ops, metadata, plan and specialized floats: everything ``backends.trace``
 blocks on the pipe without the lock, and gets back Inductor's serialized output (the
 ``CompiledFxGraph`` that Inductor's own FX graph cache stores). Loading it here executes the
 generated wrapper, whose kernels the child already built into the shared Inductor cache
-directory: milliseconds, not seconds.
+directory: milliseconds, not seconds. Graphs on CUDA compile there too: the child makes its
+own CUDA context, and its Triton kernels land in the same cache directory (measured on an
+H200: the slowest early step of a Llama training loop went from 477x eager's median to 40x).
 
 The child also keeps Inductor's tracing state out of this process: ``make_fx`` sets
 ``torch.fx``'s process-wide tracing flag, which made a ``torch.compile``'d function on any

@@ -232,3 +232,19 @@ def test_a_child_that_progresses_is_left_at_low_priority(monkeypatch):
         assert child.escalated == 0 and child.started == 1
     finally:
         child.close()
+
+
+@pytest.mark.parametrize("device, where", [("cpu", "inductor-process"),
+                                           ("cuda", "inductor-process"),
+                                           ("meta", "inductor")])
+def test_which_graphs_compile_in_the_child(monkeypatch, device, where):
+    from adaptive_eager.scheduler import backends
+    from adaptive_eager.scheduler.program import Meta
+
+    went = []
+    for name in ("inductor", "inductor-process"):
+        monkeypatch.setitem(backends.BACKENDS, name, lambda *a, _n=name: went.append(_n))
+    meta = Meta((4,), (1,), 0, torch.float32, torch.device(device), 4)
+    backends.compile_graph("inductor", [], [meta], {}, None, (), process=True)
+    backends.compile_graph("inductor", [], [meta], {}, None, (), process=False)
+    assert went == [where, "inductor"]

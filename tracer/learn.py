@@ -236,8 +236,7 @@ def after_end(mode, node: Node, was_hot: bool, seconds: float) -> None:
     path.observe(mode.seg.floats)
     if not was_hot:
         path.cold_times.append(seconds)
-    if (path.state == COLD and path.backend == "inductor" and mode.config.compile_process
-            and path.device_type != "cuda"):
+    if path.state == COLD and path.backend == "inductor" and mode.config.compile_process:
         compile_process.prepare()  # Note [Compiles leave the process]
     if path.state == COLD and node.ends >= mode.config.hot_threshold:
         _warm(mode, node, path)
