@@ -18,7 +18,7 @@ from __future__ import annotations
 
 __all__ = [
     "enable", "disable", "enabled", "paused", "is_enabled", "mark_step", "synchronize",
-    "stats", "explain", "reset",
+    "wait_compiles", "stats", "explain", "reset",
 ]
 
 __version__ = "0.1.0"
@@ -122,6 +122,27 @@ def synchronize() -> None:
     """Run all deferred work and wait for every device queue."""
     if is_enabled():
         _engine().synchronize()
+
+
+def wait_compiles(timeout: float | None = None) -> bool:
+    """Block until the graphs compiling in the background are ready, and put them in use on
+    this thread. True if they all were within ``timeout`` seconds (None: no limit).
+
+    A program never needs this: while a graph compiles, its path replays the recorded ops
+    exactly (still one launch), and the loop does not wait. It is for a notebook or a
+    short script that wants to see the fused graphs (``explain()``, ``report.code(gid)``),
+    and for measuring the steady state. Putting graphs in use launches pending work first
+    (a boundary ``install compiles`` in ``explain()``).
+    """
+    if timeout is not None:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
+            raise ValueError(f"wait_compiles: timeout={timeout!r}; accepted: None or a "
+                             f"number of seconds >= 0")
+    import sys
+
+    if "adaptive_eager.engine" not in sys.modules:
+        return True  # never enabled: nothing compiles
+    return _engine().wait_compiles(timeout)
 
 
 def stats():

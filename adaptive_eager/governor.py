@@ -6,7 +6,8 @@ that trip alone can cost more than the op it replaces, and a hot path replayed i
 still makes the step slower than eager. The engine cannot see this from inside: its own cold
 runs are slower than eager too. So it measures what the user would feel, per optimizer step:
 
-    measure   the engine on, the trie settled (no new node, nothing diverged, no compiled
+    measure   the engine on, the trie settled (no new node, nothing diverged, no path
+              still on its way to hot, no fused graph run for the first time, no compiled
               graph waiting to be installed; a compile still running does not count, Note
               [Measured while compiling]): time ``window`` steps;
     probe     the mode off the dispatch stack -- plain eager, nothing intercepted -- for
@@ -62,6 +63,7 @@ class Governor:
         self.state = MEASURE
         self.last = None  # perf_counter at the previous step
         self.nodes = -1  # trie size at the previous step
+        self.learning = -1  # the mode's one-off work count at the previous step
         self.diverged = 0
         self.engine_times: list = []
         self.eager_times: list = []
@@ -100,8 +102,9 @@ class Governor:
             diverged = c.fallbacks.get("diverged from the hot path", 0)
             # A compile still running does not count (Note [Measured while compiling]).
             settled = not mode.inbox and (not self.by_optimizer or (
-                mode.n_nodes == self.nodes and diverged == self.diverged))
-            self.nodes, self.diverged = mode.n_nodes, diverged
+                mode.n_nodes == self.nodes and diverged == self.diverged
+                and mode.learning == self.learning))
+            self.nodes, self.diverged, self.learning = mode.n_nodes, diverged, mode.learning
             if not settled or dt is None or dt > MAX_STEP:
                 self.engine_times.clear()
                 return
@@ -134,6 +137,8 @@ class Governor:
             reason = (f"engine slower than eager on this loop ({engine * 1e3:.2f} ms vs "
                       f"{eager * 1e3:.2f} ms per {step}, limit {ratio}x): "
                       f"stepped aside for {self.backoff} steps")
+            if mode.engine.compiler.busy():  # measured on exact replays: back with the graphs
+                reason += ", graphs still compiling"
             mode.counters.fallback(reason)
             if mode.debug >= 1:
                 log.info("%s", reason)

@@ -413,10 +413,16 @@ def advise(report: Report) -> list:
             out.append(f"The program takes different ops from step to step ({e.reason[10:]}):"
                        " the path is cut there, one extra launch per step. Make the branch "
                        "depend on no tensor data if it can.")
+        elif e.kind == "fallback" and e.reason.endswith("graphs still compiling"):
+            out.append("On this loop the engine was measured slower than eager while its "
+                       "graphs were still compiling (its paths replayed their recorded ops "
+                       f"one by one) and stepped aside ({e.reason.split(': ')[0]}): it is "
+                       "measured again as soon as a graph arrives.")
         elif e.kind == "fallback" and e.reason.startswith("engine slower than eager"):
             out.append("On this loop the engine was measured slower than eager and stepped "
-                       f"aside ({e.reason}): launches are cheap on this device. The engine "
-                       "pays off where launches cost (neuron, cuda) or where ops fuse.")
+                       f"aside ({e.reason.split(': ')[0]}): here the engine's cost per op is "
+                       "more than the launches it saves. It pays off where launches cost "
+                       "(neuron, cuda) or where ops fuse.")
         elif e.kind == "fallback" and e.reason.startswith("shape variants of one path"):
             out.append(f"Shapes change between runs of one path at {at}: each shape is a new "
                        "graph, and past NEURON_ADAPTIVE_EAGER_VARIANTS they replay without "

@@ -34,5 +34,10 @@ def train_step():
 with ae.enabled(devices=[dev]):
     for step in range(30):
         train_step()
+        if step == 9:
+            # Graphs compile in the background; until one is ready its path replays the
+            # recorded ops exactly. A program never waits for them: this short one does, to
+            # show them.
+            ae.wait_compiles()
 
 print(ae.explain())

@@ -117,6 +117,7 @@ class Graph:
     gid: int = 0
     spec_values: tuple = ()  # the specialized floats compiled in (Note [Float variants])
     device: torch.device = torch.device("cpu")  # where its kernels run: the packed floats go
+    ran: bool = False  # its first run (loading, GPU autotuning) is one-off work
 
 
 def graph_device(ext_metas, live_metas: dict, device_map=None) -> torch.device:

@@ -236,6 +236,10 @@ class Compiler:
         with self._lock:
             return len(self._jobs)
 
+    def busy(self) -> bool:
+        """Is a job queued or running?"""
+        return bool(self._jobs)
+
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until no job is queued or running (tests and benchmarks use this)."""
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -236,6 +236,9 @@ def run(path: Path, seg, ctx, counters) -> None:
     else:
         exts, floats, run_targets = seg.exts, seg.floats, targets
     if graph is not None:
+        if not graph.ran:
+            graph.ran = True
+            ctx.learning += 1
         inputs = [exts[k] for k in graph.plan.ext_inputs]
         if graph.plan.lifted:
             inputs.append(packed_floats([floats[n][j] for n, j in graph.plan.lifted],
@@ -243,6 +246,8 @@ def run(path: Path, seg, ctx, counters) -> None:
         inputs += [run_targets[i] for i in graph.live]
         fn, args = _run_fused, (path, graph, inputs, (exts, floats, seg.rng))
     else:
+        if path.exact is None:  # its replay is generated at this first use: one-off work
+            ctx.learning += 1
         fn, args = _run_exact, (path, exts, floats, run_targets)
     if ctx.debug >= 2:
         start = time.perf_counter()

@@ -16,7 +16,7 @@ def chain(x):
 def test_all_names():
     assert set(ae.__all__) == {
         "enable", "disable", "enabled", "paused", "is_enabled", "mark_step", "synchronize",
-        "stats", "explain", "reset",
+        "wait_compiles", "stats", "explain", "reset",
     }
     s = ae.stats()
     for name in ("ops_intercepted", "ops_deferred", "ops_eager", "launches", "graphs_compiled",
@@ -166,3 +166,21 @@ def test_paused_runs_the_block_in_eager_and_keeps_what_was_learned():
         assert d.replays == 1 and d.ops_deferred >= 3
     with ae.paused():  # engine off: nothing to do
         assert (x * 3 - 1).sum().item() == want
+
+
+def test_wait_compiles_puts_the_fused_graphs_in_use():
+    import pytest
+
+    for bad in (-1, "soon", True):
+        with pytest.raises(ValueError, match=f"timeout={bad!r}; accepted: None or a number"):
+            ae.wait_compiles(bad)
+    x = torch.randn(64)
+    with ae.enabled(devices=("cpu",), backend="inductor"):
+        for _ in range(3):
+            chain(x).sum().item()
+        assert ae.wait_compiles(timeout=300)
+        assert ae.stats().graphs_compiled == 1
+        d = Delta()
+        got = chain(x).sum().item()
+        assert d.replays == 1 and d.cache_hits == 1  # the fused graph ran
+    assert got == pytest.approx(chain(x).sum().item(), rel=1e-5)

@@ -275,3 +275,20 @@ def test_a_real_model_is_explained_with_its_own_lines(device):
     assert any("modeling_llama.py" in line for line in main.lines)
     assert any(line.startswith(zoo.__file__) for line in main.lines)  # loss.backward()
     assert all("<unknown>" not in line for e in r.events for line, _ in e.lines)
+
+
+@pytest.mark.parametrize("compiling", [False, True])
+def test_advice_when_the_engine_stepped_aside(monkeypatch, compiling):
+    """Measured slower while graphs compile, the engine comes back with them: the advice
+    says which case it was."""
+    from adaptive_eager.scheduler.compiler import Compiler
+
+    monkeypatch.setenv("NEURON_ADAPTIVE_EAGER_SUSPEND_RATIO", "1e-9")  # always slower
+    monkeypatch.setattr(Compiler, "busy", lambda self: compiling)
+    with ae.enabled(devices=("cpu",), backend="exact"):
+        train(30)
+    advice = "\n".join(ae.explain().advice)
+    assert "measured slower than eager" in advice and "stepped aside for" not in advice
+    assert ("while its graphs were still compiling" in advice) == compiling
+    assert ("the engine's cost per op is more than the launches it saves" in advice) == (
+        not compiling)

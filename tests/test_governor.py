@@ -201,3 +201,26 @@ def test_measured_while_compiling_and_back_when_the_graph_arrives(monkeypatch):
             assert d.ops_intercepted > 0 and ae.stats().graphs_compiled == 1
     finally:
         release.set()
+
+
+def test_steps_doing_one_off_work_are_not_timed(monkeypatch):
+    """Learning steps (recording, a path's cold runs, the first replay of a path or of a
+    fused graph) cost many times a hot step: timed, they made a loop the engine speeds up
+    look slower than eager."""
+    monkeypatch.setenv("NEURON_ADAPTIVE_EAGER_SUSPEND_RATIO", "1e-9")
+    from adaptive_eager import governor
+
+    seen = []  # (state before, state after, the mode's one-off work count) per step
+    real = governor.Governor._step
+
+    def spy(self, mode):
+        before = self.state
+        real(self, mode)
+        seen.append((before, self.state, mode.learning))
+
+    monkeypatch.setattr(governor.Governor, "_step", spy)
+    loop(4 + 2 * WINDOW, CPU)
+    i = next(k for k, (a, b, _) in enumerate(seen) if a == "measure" and b == "probe")
+    learning = [n for _, _, n in seen]
+    assert learning[0] < learning[i]  # one-off work was done while measuring...
+    assert len(set(learning[i - WINDOW:i + 1])) == 1  # ...and none in the steps timed

@@ -236,6 +236,8 @@ def after_end(mode, node: Node, was_hot: bool, seconds: float) -> None:
     path.observe(mode.seg.floats)
     if not was_hot:
         path.cold_times.append(seconds)
+    if path.state == COLD:
+        mode.learning += 1  # on its way to hot: recorded, checked, soon replayed
     if path.state == COLD and path.backend == "inductor" and mode.config.compile_process:
         compile_process.prepare()  # Note [Compiles leave the process]
     if path.state == COLD and node.ends >= mode.config.hot_threshold:

@@ -65,6 +65,9 @@ class AdaptiveEagerMode(TorchDispatchMode):
         self.root = new_root()
         self.seg = Segment(self, self.root)
         self.n_nodes = 0
+        # one-off work done so far: cold runs of paths not yet hot, first runs of fused
+        # graphs (the step governor does not time steps that did any: Note [Stepping aside])
+        self.learning = 0
         self.families: dict = {}  # Note [Shape families] (tracer.learn): compiles per family
         self.paused = 0
         self.generation = 0  # bumped by reset_state: deliveries for older tries are dropped
@@ -304,6 +307,7 @@ class AdaptiveEagerMode(TorchDispatchMode):
         self.root = new_root()
         self.seg = Segment(self, self.root)
         self.n_nodes = 0
+        self.learning = 0
         self.families = {}
         self.generation += 1
         self.counters.__init__()
