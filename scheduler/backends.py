@@ -137,6 +137,8 @@ def packed_floats(values: list, device: torch.device) -> torch.Tensor:
     """
     if device.type == "cpu":
         return torch.tensor(values, dtype=torch.float64)
+    if device.type != "cuda":  # another accelerator (torch-neuronx): its own copy
+        return torch.tensor(values, dtype=torch.float64, device=device)
     staged = torch.tensor(values, dtype=torch.float64, pin_memory=True)
     return staged.to(device, non_blocking=True)
 

@@ -43,6 +43,23 @@ def test_managing_cuda_guards_its_sync_points_and_launches_before_them():
     assert torch.equal(y, f())
 
 
+def test_lifted_floats_are_packed_on_the_graphs_device():
+    from adaptive_eager.scheduler.backends import packed_floats
+
+    cpu = packed_floats([0.5, -0.0], torch.device("cpu"))
+    assert cpu.dtype == torch.float64 and cpu.tolist() == [0.5, -0.0] and cpu.device.type == "cpu"
+    other = packed_floats([0.5, 1.0], torch.device("meta"))  # an accelerator other than cuda
+    assert other.device.type == "meta" and other.shape == (2,)
+
+
+@cuda
+def test_lifted_floats_reach_cuda_without_the_host_waiting():
+    from adaptive_eager.scheduler.backends import packed_floats
+
+    t = packed_floats([0.5, 2.0], torch.device("cuda"))
+    assert t.device.type == "cuda" and t.tolist() == [0.5, 2.0]
+
+
 def _f(x):
     return ((x * 2).sin() + 1).sum()
 
