@@ -79,10 +79,3 @@ def _wrap(original, flush, reason: str):
     guarded.__wrapped_by_adaptive_eager__ = True
     return guarded
 
-
-def uninstall() -> None:
-    """Restore the originals (tests)."""
-    with _lock:
-        for (owner_name, attr), original in _ORIGINAL.items():
-            setattr(_owner(owner_name), attr, original)
-        _ORIGINAL.clear()
