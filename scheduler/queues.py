@@ -118,8 +118,10 @@ class CudaQueue(Queue):
         fn(*args)  # kernels are queued on torch.cuda.current_stream() by the ops themselves
 
     def synchronize(self) -> None:
-        # the unguarded call: the engine waits here after launching (adaptive_eager.cudaguard)
-        torch._C._cuda_synchronize()
+        # Nothing can be queued where CUDA never started (a build or machine without it).
+        # The unguarded call: the engine waits here after launching (adaptive_eager.cudaguard).
+        if torch.cuda.is_initialized():
+            torch._C._cuda_synchronize()
 
 
 class TorchNeuronxQueue(Queue):
