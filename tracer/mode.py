@@ -65,8 +65,9 @@ class AdaptiveEagerMode(TorchDispatchMode):
         self.root = new_root()
         self.seg = Segment(self, self.root)
         self.n_nodes = 0
-        # one-off work done so far: cold runs of paths not yet hot, first runs of fused
-        # graphs (the step governor does not time steps that did any: Note [Stepping aside])
+        # one-off work done so far: cold runs of paths not yet hot, first exact replays,
+        # first runs of fused graphs (the step governor does not time steps that did any:
+        # Note [Stepping aside])
         self.learning = 0
         self.families: dict = {}  # Note [Shape families] (tracer.learn): compiles per family
         self.paused = 0
