@@ -259,9 +259,9 @@ def _inductor_compile(specs, ext_metas, live_metas, the_plan, spec_values, devic
     return compiled, gm.code, time.perf_counter() - start
 
 
-def _inductor_graph(run, code, seconds, ext_metas, live_metas, the_plan, spec_values, n_ops,
-                    device_map):
-    return Graph("inductor", run, tuple(live_metas), the_plan, len(ext_metas), n_ops,
+def _compiled_graph(run, code, seconds, ext_metas, live_metas, the_plan, spec_values, n_ops,
+                    device_map, backend="inductor"):
+    return Graph(backend, run, tuple(live_metas), the_plan, len(ext_metas), n_ops,
                  compile_seconds=seconds, code=code,
                  mutates_external=bool(the_plan.mutated_inputs), spec_values=tuple(spec_values),
                  device=graph_device(ext_metas, live_metas, device_map))
@@ -276,7 +276,7 @@ def inductor_graph(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_valu
     compiled, code, seconds = _inductor_compile(specs, ext_metas, live_metas, the_plan,
                                                 spec_values, device_map, kernels)
     run = getattr(compiled, "current_callable", None) or compiled
-    return _inductor_graph(run, code, seconds, ext_metas, live_metas, the_plan, spec_values,
+    return _compiled_graph(run, code, seconds, ext_metas, live_metas, the_plan, spec_values,
                            len(specs), device_map)
 
 
@@ -304,7 +304,7 @@ def remote_inductor_graph(specs, ext_metas, live_metas: dict, the_plan: Plan, sp
     from torch._inductor.output_code import CompiledFxGraphConstants
 
     compiled.after_deserialization(CompiledFxGraphConstants())
-    return _inductor_graph(compiled.current_callable, code, seconds, ext_metas, live_metas,
+    return _compiled_graph(compiled.current_callable, code, seconds, ext_metas, live_metas,
                            the_plan, spec_values, len(specs), device_map)
 
 
@@ -327,10 +327,8 @@ def neuron_graph(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values
         compiled(*args)
         args.clear()  # as Inductor's boxed calling convention does: drop the references
 
-    return Graph("neuron", run, tuple(live_metas), the_plan, len(ext_metas), len(specs),
-                 compile_seconds=time.perf_counter() - start, code=gm.code,
-                 mutates_external=bool(the_plan.mutated_inputs), spec_values=tuple(spec_values),
-                 device=graph_device(ext_metas, live_metas, device_map))
+    return _compiled_graph(run, gm.code, time.perf_counter() - start, ext_metas, live_metas,
+                           the_plan, spec_values, len(specs), device_map, backend="neuron")
 
 
 BACKENDS = {"inductor": inductor_graph, "neuron": neuron_graph,
