@@ -287,6 +287,86 @@ def test_unsupported_op_is_a_counted_boundary():
     assert any("data-dependent output shape" in r for r in ae.stats().fallbacks)
 
 
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")
+@pytest.mark.parametrize("make", [
+    lambda y: y.to_sparse(),
+    lambda y: y.to_sparse_csr(),
+    lambda y: torch.quantize_per_tensor(y, 0.1, 0, torch.qint8),
+], ids=["sparse_coo", "sparse_csr", "quantized"])
+def test_result_that_is_not_a_plain_tensor_is_a_counted_boundary(make):
+    # Found by the OpInfo sweep: learning to_sparse crashed ("Cannot access storage of
+    # SparseTensorImpl") where eager works.
+    x = torch.randn(4, 4)
+
+    def step():
+        s = make(x * 2)
+        return s.dequantize() if s.is_quantized else s.to_dense()
+
+    ref = step()
+    with ae.enabled(**CPU):
+        got = [step() for _ in range(4)]
+    assert all(torch.equal(g, ref) for g in got)
+    assert any(r.startswith("result is not a plain tensor") for r in ae.stats().fallbacks)
+
+
+def test_zero_tensor_gradient_is_a_counted_boundary():
+    # Found by the OpInfo sweep: the gradient of sgn of a real tensor is an
+    # _efficientzerotensor, which has no memory; learning it crashed ("Attempted to access the
+    # data pointer on an invalid python storage").
+    x = torch.randn(3, requires_grad=True)
+    g = torch.randn(3)
+
+    def step():
+        (gx,) = torch.autograd.grad(torch.sgn(x * 1), [x], g)
+        return (gx * 2 + 1).tolist()
+
+    ref = step()
+    with ae.enabled(**CPU):
+        got = [step() for _ in range(4)]
+    assert got == [ref] * 4
+    assert any("zero tensor" in r for r in ae.stats().fallbacks)
+
+
+def test_result_with_overlapping_elements_is_a_counted_boundary():
+    # Found by the OpInfo sweep: a replay wrote the hot path's empty_strided((5, 5, 5),
+    # (2, 0, 1)) into the tensor the program held, and copy_ refuses overlapping memory.
+    def step():
+        y = torch.empty_strided((5, 5, 5), (2, 0, 1))
+        return y.clone().stride(), (y.fill_(1.5) * 2).sum().item()
+
+    ref = step()
+    with ae.enabled(**CPU):
+        got = [step() for _ in range(4)]
+    assert got == [ref] * 4
+    assert any(r.startswith("result has elements that share memory")
+               for r in ae.stats().fallbacks)
+
+
+def test_tensor_split_reads_pending_indices():
+    # Found by the OpInfo sweep: ATen's tensor_split reads a 1-D CPU tensor of indices in C++
+    # (no op the engine sees), so deferred indices split at garbage (Note [Reads inside
+    # composite ops] in adaptive_eager/readguard.py).
+    from adaptive_eager import readguard
+
+    x = torch.randn(5, 5, 5)
+    idx = torch.tensor([1, 3])
+
+    def step():
+        parts = torch.tensor_split(x * 1, idx.clone(), 1)
+        sections = x.tensor_split(torch.tensor(2).clone())
+        y = parts[1] * 2
+        return [p.shape for p in parts + sections], y, y.sum().item()
+
+    ref = step()
+    with ae.enabled(**CPU):
+        got = [step() for _ in range(4)]
+        with pytest.raises(RuntimeError, match="to have dtype of long, but got torch.float32"):
+            torch.tensor_split(x, torch.tensor([1.0]))
+    assert all(g[0] == ref[0] and torch.equal(g[1], ref[1]) for g in got)
+    assert ae.stats().replays >= 2
+    assert not readguard._library  # ATen's own kernel is back once the engine is off
+
+
 def test_device_copy_is_a_boundary():
     x = torch.randn(4)
     with ae.enabled(**CPU):

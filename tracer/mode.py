@@ -43,7 +43,7 @@ from adaptive_eager.scheduler.userline import user_line as _user_line
 from . import learn
 from .optable import OpClass, info as op_info
 from .segment import Segment
-from .signature import MISS, Unsupported, is_plain, observe
+from .signature import MISS, Unsupported, describe_kind, is_plain, observe
 from .trie import new_root
 
 __all__ = ["AdaptiveEagerMode"]
@@ -100,8 +100,10 @@ class AdaptiveEagerMode(TorchDispatchMode):
                 managed = True
                 if not is_plain(t):
                     return self._boundary_op(func, args, kwargs, "unsupported tensor "
-                                             f"({type(t).__name__}, {t.layout})")
+                                             f"({describe_kind(t)})")
         if not tensors:
+            if info.cls is OpClass.VIEW and args and type(args[0]) in _NUMBERS:
+                return _view_of_number(func, args, kwargs, c)
             dev = kwargs.get("device")
             managed = (torch.device(dev).type if dev is not None else "cpu") in self.devices
         if not managed:
@@ -382,6 +384,21 @@ def skip_rule_lookup(cls: type | None = None) -> None:
 # for wrapper-subclass devices, which refuses a tensor with a weak reference, and
 # ``nn.Parameter(t)`` is a ``detach`` of ``t``.
 _PLAIN_ALIASES = frozenset({torch.ops.aten.detach.default, torch.ops.aten.alias.default})
+
+
+# Note [Views of numbers]: PyTorch hands a dispatch mode each wrapped number (a scalar that
+# an op turned into a 0-dim tensor) as a Python number. The zero-tensor kernels autograd uses
+# for gradients known to be zero view one (``zeros_grad + 1`` calls ``expand(other, size)``
+# with ``other`` the wrapped 1), and calling the op back with a number fails, under any
+# dispatch mode ("Expected a value of type 'Tensor' for argument 'self' but instead found
+# type 'int'"). The number is made a tensor again (the dtype a wrapped number has) and the
+# view runs as it is: nothing the engine holds is involved.
+_NUMBERS = frozenset({int, float, bool, complex})
+
+
+def _view_of_number(func, args, kwargs, counters):
+    counters.ops_passthrough += 1
+    return func(torch.tensor(args[0]), *args[1:], **kwargs)
 
 
 # How the program reads data to the host, in its own words (boundary reasons, explain()).

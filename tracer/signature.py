@@ -55,7 +55,10 @@ _NOT_PLAIN: set = set()
 
 
 def is_plain(t) -> bool:
-    """A dense strided tensor of a type without its own ``__torch_dispatch__``."""
+    """A dense strided tensor of a type without its own ``__torch_dispatch__``, not quantized
+    (a quantized tensor is strided, but its data is not its dtype's values) and not a zero
+    tensor (``_efficientzerotensor``, which autograd makes for gradients known to be zero:
+    it has no memory)."""
     tp = type(t)
     if tp not in PLAIN:
         if tp in _NOT_PLAIN:
@@ -65,7 +68,7 @@ def is_plain(t) -> bool:
         else:
             _NOT_PLAIN.add(tp)
             return False
-    return t.layout is torch.strided
+    return t.layout is torch.strided and not t.is_quantized and not t._is_zerotensor()
 
 
 class Unsupported(Exception):
@@ -409,21 +412,43 @@ def out_specs(func, info, args, kwargs, res, tree: str):
         ptr = t.untyped_storage().data_ptr() if t.untyped_storage().nbytes() else None
         if ptr is not None and (ptr in in_storages or ptr in fresh_storages):
             raise Unsupported("output shares storage with an input or another output")
+        if any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride())):
+            # a replay writes each fresh output into the tensor the program holds, and a
+            # tensor whose elements share memory (empty_strided with a 0 stride) cannot be
+            # written. Read from the metadata: an op here (torch._debug_has_internal_overlap)
+            # would be a sync on an asynchronous device.
+            raise Unsupported("result has elements that share memory")
         fresh_storages.add(ptr)
         outs.append(Out("fresh", Meta.of(t)))
     return tuple(outs)
 
 
+def describe_kind(t) -> str:
+    """What kind of tensor ``t`` is, for a reason's text: type, layout and dtype."""
+    zero = ", zero tensor" if t._is_zerotensor() else ""
+    return f"{type(t).__name__}, {t.layout}, {t.dtype}{zero}"
+
+
 def tree_of(res) -> str:
+    """How a result is shaped: "none", "one" tensor, a "tuple" or a "list" of them.
+
+    A result that is not plain strided tensors (``to_sparse``, ``quantize_per_tensor``, a
+    nested tensor) is Unsupported: the op is a counted boundary, its result left as it is.
+    """
     if res is None:
         return "none"
     if isinstance(res, torch.Tensor):
-        return "one"
-    if type(res) is tuple:
-        return "tuple"
-    if type(res) is list:
-        return "list"
-    raise Unsupported(f"result of type {type(res).__name__}")
+        tree, leaves = "one", (res,)
+    elif type(res) is tuple:
+        tree, leaves = "tuple", res
+    elif type(res) is list:
+        tree, leaves = "list", res
+    else:
+        raise Unsupported(f"result of type {type(res).__name__}")
+    for t in leaves:
+        if isinstance(t, torch.Tensor) and not is_plain(t):
+            raise Unsupported(f"result is not a plain tensor ({describe_kind(t)})")
+    return tree
 
 
 def _tensors(args, kwargs):

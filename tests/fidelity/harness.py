@@ -1,0 +1,489 @@
+"""One OpInfo case under the engine: the program it runs, and how its outcome is judged.
+
+A *case* is an op, a dtype, a device and some of the op's samples. Each sample runs inside a
+short recurring step, so that the engine really defers and replays it::
+
+    inputs = clone(sample tensors)         # produced by a deferred op
+    out    = op(inputs...)                 # the op under test
+    used   = clone(out)                    # consumed by a later deferred op
+    grads  = autograd.grad(out, leaves)    # with gradients: backward under the engine too
+    used[0].reshape(-1)[0].item()          # the step ends at a host read (a sync)
+
+The step runs ``ITERATIONS[backend]`` times under the engine with ``hot_threshold=2``: two
+cold runs learn the path, the third replays it (exactly, while a fused graph compiles), and
+with ``inductor`` the run waits for the graph once so that the last runs use it. Every run
+is seeded alike and starts from its own copy of the sample, so each must equal the one
+eager run: bitwise with ``exact``, within the OpInfo's tolerances with ``inductor``.
+
+The last run is also *classified* from the engine's counters: ``identical`` needs its ops
+deferred and replayed with no fallback; a run that took a fallback or a boundary is
+``fallback`` with the reasons the engine counted (a run with neither is ``silent``: the
+engine ran the ops eagerly and said nothing, which the contract forbids).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import traceback
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import adaptive_eager as ae
+
+from .compare import Mismatch, compare, tolerance, to_host
+
+__all__ = ["Case", "Outcome", "run_case", "run_error_input", "ITERATIONS", "SEED"]
+
+SEED = 1234
+ITERATIONS = {"exact": 4, "inductor": 5}
+_WAIT_BEFORE = 3  # inductor: the run before which the fused graph is awaited
+_COMPILE_TIMEOUT = 600.0
+
+# Ops whose values are unspecified: OpInfo's own tests compare only their metadata.
+UNSPECIFIED = frozenset({
+    "empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided",
+    "empty_permuted", "torch.empty_permuted",
+})
+
+
+@dataclasses.dataclass
+class Case:
+    op: object  # an OpInfo
+    dtype: torch.dtype
+    device: str  # "cpu" | "neuron"
+    samples: list  # SampleInputs on ``device``
+    grad: bool = False
+    autocast: torch.dtype | None = None  # run under torch.autocast(device, this dtype)
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What happened to one sample (or one error input)."""
+
+    # identical | fallback | host | no-op | eager-error | skipped | dispatch-mode |
+    # eager-nondeterministic | mismatch | crash | silent
+    status: str
+    reasons: tuple = ()  # the fallback / boundary reasons the engine counted in the last run
+    detail: str = ""
+
+    @property
+    def failed(self) -> bool:
+        return self.status in ("mismatch", "crash", "silent")
+
+
+# ---------------------------------------------------------------------------- samples
+
+
+def _dense(t: torch.Tensor) -> bool:
+    from torch._prims_common import is_non_overlapping_and_dense_or_false
+
+    return is_non_overlapping_and_dense_or_false(t)
+
+
+def _map(fn, x):
+    if isinstance(x, torch.Tensor):
+        return fn(x)
+    if isinstance(x, list):
+        return [_map(fn, v) for v in x]
+    if isinstance(x, tuple):
+        return tuple(_map(fn, v) for v in x)
+    if isinstance(x, dict):
+        return {k: _map(fn, v) for k, v in x.items()}
+    return x
+
+
+def _copy_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A fresh tensor with ``t``'s value, layout and requires_grad (a leaf when ``t`` is)."""
+    with torch.no_grad():
+        if t.layout != torch.strided:
+            c = t.clone()
+        elif _dense(t):
+            c = t.clone(memory_format=torch.preserve_format)
+        elif t._base is not None:
+            base = t._base.clone(memory_format=torch.preserve_format)
+            c = base.as_strided(t.size(), t.stride(), t.storage_offset())
+        else:
+            c = t.clone()
+    return c.requires_grad_(t.requires_grad) if t.is_leaf or not t.requires_grad else c
+
+
+def copy_sample(sample):
+    """(input, args, kwargs) of a fresh copy of ``sample``."""
+    return (_map(_copy_tensor, sample.input), _map(_copy_tensor, list(sample.args)),
+            _map(_copy_tensor, dict(sample.kwargs)))
+
+
+def leaves_of(copied) -> list:
+    out = []
+    _map(lambda t: out.append(t) if t.requires_grad and t.is_leaf else None, copied)
+    return out
+
+
+# ---------------------------------------------------------------------------- the step
+
+
+def _produce(t: torch.Tensor) -> torch.Tensor:
+    """The input as the output of an op (deferred under the engine) where its layout allows;
+    other layouts (views that are not dense, sparse) stay external inputs."""
+    if t.layout == torch.strided and _dense(t):
+        return t.clone(memory_format=torch.preserve_format)
+    return t
+
+
+def _tensors(x) -> list:
+    out = []
+    _map(out.append, x)
+    return out
+
+
+def _call(op, copied):
+    inp, args, kwargs = _map(_produce, copied)
+    return op(inp, *args, **kwargs)
+
+
+def _sample_step(op, copied, grad_outs):
+    """One sample's part of the step: (op output, consumer, grads or None)."""
+    out = _call(op, copied)
+    used = [t.clone() if t.layout == torch.strided else t for t in _tensors(out)]
+    grads = None
+    if grad_outs is not None:
+        diff = [t for t in _tensors(out) if t.requires_grad]
+        grads = torch.autograd.grad(diff, leaves_of(copied), grad_outs, allow_unused=True)
+        used += [g.clone() for g in grads if g is not None]
+    return out, used, grads
+
+
+def _host_read(used) -> None:
+    for t in used:
+        if t.layout == torch.strided and t.numel():
+            t.reshape(-1)[0].item()
+            return
+    ae.synchronize()
+
+
+def _ambient(case: Case, on: bool):
+    if case.autocast is None or not on:
+        return contextlib.nullcontext()
+    return torch.autocast(case.device, dtype=case.autocast)
+
+
+def _step(case: Case, copies, grad_outs, autocast_on=True):
+    results = []
+    torch.manual_seed(SEED)
+    with _ambient(case, autocast_on):
+        used_all = []
+        for copied, gouts in zip(copies, grad_outs):
+            out, used, grads = _sample_step(case.op, copied, gouts)
+            results.append((out, grads))
+            used_all += used
+        _host_read(used_all)
+    return results
+
+
+def _grad_outs(case: Case, copies, autocast_on=True):
+    """Fixed output gradients, one list per sample (None without gradients)."""
+    if not case.grad:
+        return [None] * len(copies)
+    from torch.testing import make_tensor
+
+    out = []
+    torch.manual_seed(SEED + 1)
+    for copied in copies:
+        with _ambient(case, autocast_on):
+            res = _call(case.op, copied)
+        diff = [t for t in _tensors(res) if t.requires_grad]
+        out.append([make_tensor(t.shape, dtype=t.dtype, device=t.device, low=-1, high=1)
+                    for t in diff] if diff else None)
+    return out
+
+
+# ---------------------------------------------------------------------------- running
+
+
+def _schedule(case: Case, backend: str) -> list[bool]:
+    """Per run: is autocast on? Autocast cases leave it once before the last run and enter
+    it again, so that a path learned under autocast must not replay without it."""
+    n = ITERATIONS[backend]
+    if case.autocast is None:
+        return [True] * n
+    return [True] * (n - 1) + [False, True]
+
+
+def run_case(case: Case, backend: str) -> list[Outcome]:
+    """Run ``case`` in eager and under the engine; one Outcome per sample of the case.
+
+    The samples run together in one step (one segment, one graph); a case whose outcome is
+    not ``identical`` for all of them is run again one sample at a time, to say which.
+    """
+    out = _run(case, backend)
+    if len(case.samples) == 1 or all(o.status == "identical" for o in out):
+        return out
+    single = []
+    for s in case.samples:
+        single += _run(dataclasses.replace(case, samples=[s]), backend)
+    return single
+
+
+def _run(case: Case, backend: str) -> list[Outcome]:
+    n = len(case.samples)
+    schedule = _schedule(case, backend)
+    # eager, once per autocast state the schedule uses
+    reference = {}
+    try:
+        for on in sorted(set(schedule)):
+            copies = [copy_sample(s) for s in case.samples]
+            gouts = _grad_outs(case, copies, on)
+            reference[on] = (_step(case, copies, gouts, on), gouts)
+    except Exception as e:  # noqa: BLE001 -- the engine must raise the same (run_error_input)
+        if n > 1:
+            return _split(case, backend)
+        return [_same_error(case, backend, e)]
+    exact = backend == "exact"
+    rtol, atol = tolerance(case.op, case.dtype)
+    unspecified = case.op.name in UNSPECIFIED
+    runs = []
+    try:
+        with ae.enabled(devices=(case.device,), backend=backend, hot_threshold=2):
+            for i, on in enumerate(schedule):
+                if backend != "exact" and i == _WAIT_BEFORE:
+                    ae.wait_compiles(_COMPILE_TIMEOUT)
+                copies = [copy_sample(s) for s in case.samples]
+                gouts = [_map(_copy_tensor, g) for g in reference[on][1]]
+                before = ae.stats()
+                runs.append((on, _step(case, copies, gouts, on)))
+                after = ae.stats()
+    except Exception as e:  # noqa: BLE001
+        return [Outcome("crash", detail=_summary(e))] * n
+    finally:
+        ae.reset()
+    outcomes = []
+    for k in range(n):
+        try:
+            for i, (on, results) in enumerate(runs):
+                got, want = results[k], reference[on][0][k]
+                compare(got[0], want[0], exact=exact, rtol=rtol, atol=atol,
+                        values=not unspecified, where=f"run {i} output")
+                if want[1] is not None:
+                    compare(got[1], want[1], exact=exact, rtol=rtol, atol=atol,
+                            values=not unspecified, strides=False, where=f"run {i} grad")
+        except Mismatch as e:
+            outcomes.append(_diagnose(case, backend, runs, reference, k, e) if n == 1
+                            else Outcome("mismatch", detail=str(e)))
+            continue
+        outcomes.append(_classify(before, after))
+    return outcomes
+
+
+class _PassThrough(TorchDispatchMode):
+    """A dispatch mode that runs every op as it comes (what any dispatch mode changes)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _diagnose(case, backend, runs, reference, k, mismatch) -> Outcome:
+    """A single sample's result differs from eager's: is it the engine?
+
+    Note [Any dispatch mode]: ATen's composite ops ask ``isTensorSubclassLike``, which is
+    true for every tensor while a dispatch mode is active, and then take the path written
+    for subclasses (``linalg_svdvals`` computes the singular vectors too, reductions'
+    backward scatter instead of index): eager under a mode that runs every op unchanged
+    differs from plain eager in the last bits. The engine intercepts through a mode, so it
+    inherits that; the sweep reports it in its own column (``dispatch-mode``) when the
+    engine equals eager-under-a-pass-through-mode, not as an engine failure. Eager that
+    differs from itself (``eager-nondeterministic``) is compared within tolerance.
+    """
+    exact = backend == "exact"
+    rtol, atol = tolerance(case.op, case.dtype)
+    schedule = [on for on, _ in runs]
+    try:
+        for on in sorted(set(schedule)):
+            copies = [copy_sample(s) for s in case.samples]
+            again = _step(case, copies, _map(_copy_tensor, reference[on][1]), on)
+            _compare_sample(again[k], reference[on][0][k], True, 0, 0, case)
+    except Mismatch:
+        try:
+            for i, (on, results) in enumerate(runs):
+                _compare_sample(results[k], reference[on][0][k], False, rtol, atol, case)
+        except Mismatch as e:
+            return Outcome("mismatch", detail=f"eager is not deterministic, and beyond its "
+                           f"tolerance: {e}")
+        return Outcome("eager-nondeterministic", detail=str(mismatch))
+    try:
+        with _PassThrough():
+            moded = {}
+            for on in sorted(set(schedule)):
+                copies = [copy_sample(s) for s in case.samples]
+                moded[on] = _step(case, copies, _map(_copy_tensor, reference[on][1]), on)
+        for i, (on, results) in enumerate(runs):
+            _compare_sample(results[k], moded[on][k], exact, rtol, atol, case)
+    except Exception:  # noqa: BLE001 -- not explained by the mode: the engine's difference
+        return Outcome("mismatch", detail=str(mismatch))
+    return Outcome("dispatch-mode", detail=str(mismatch))
+
+
+def _compare_sample(got, want, exact, rtol, atol, case) -> None:
+    values = case.op.name not in UNSPECIFIED
+    compare(got[0], want[0], exact=exact, rtol=rtol, atol=atol, values=values, where="output")
+    if want[1] is not None:
+        compare(got[1], want[1], exact=exact, rtol=rtol, atol=atol, values=values,
+                strides=False, where="grad")
+
+
+def _split(case, backend):
+    out = []
+    for s in case.samples:
+        out += _run(dataclasses.replace(case, samples=[s]), backend)
+    return out
+
+
+def _classify(before, after) -> Outcome:
+    reasons = {r: c - before.fallbacks.get(r, 0) for r, c in after.fallbacks.items()
+               if c != before.fallbacks.get(r, 0)}
+    if reasons:
+        return Outcome("fallback", tuple(sorted(reasons)))
+    if after.ops_deferred > before.ops_deferred:
+        return Outcome("identical")
+    if after.ops_intercepted == before.ops_intercepted:
+        return Outcome("no-op", detail="the sample issues no op on the device")
+    if after.ops_host > before.ops_host:
+        return Outcome("host", ("0-dim cpu tensors run on the host (Note [Host scalars])",))
+    return Outcome("silent", detail="the last run deferred nothing and counted no fallback")
+
+
+def _same_error(case: Case, backend: str, eager_error: BaseException) -> Outcome:
+    """The sample raises in eager: under the engine it must raise the same type."""
+    sample = case.samples[0]
+    got = _engine_error(case, backend, lambda: _step(
+        case, [copy_sample(sample)], _grad_outs(case, [copy_sample(sample)])))
+    if got is None:
+        return Outcome("crash", detail=f"eager raised {type(eager_error).__name__}, the "
+                       f"engine did not: {eager_error}")
+    if type(got) is not type(eager_error):
+        return Outcome("crash", detail=f"engine raised {type(got).__name__} where eager "
+                       f"raised {type(eager_error).__name__}: {_summary(got)}")
+    return Outcome("eager-error", detail=_summary(eager_error))
+
+
+def _engine_error(case, backend, fn, runs: int = 3):
+    """The error ``fn`` raises under the engine on every one of ``runs`` runs (the first of
+    another type than the first run's, if any); None when a run raised nothing."""
+    got = None
+    try:
+        with ae.enabled(devices=(case.device,), backend=backend, hot_threshold=2):
+            for _ in range(runs):
+                try:
+                    fn()
+                except Exception as e:  # noqa: BLE001
+                    if got is None or type(e) is not type(got):
+                        got = e
+                else:
+                    return None
+    finally:
+        ae.reset()
+    return got
+
+
+def run_error_input(op, device: str, error_input, backend: str) -> Outcome:
+    """An OpInfo error input: the engine raises eager's exception type on every run, and the
+    traceback (or the message) names the line of the op call."""
+    sample = error_input.sample_input
+    try:
+        copied = copy_sample(sample)
+    except Exception as e:  # noqa: BLE001 -- the sample cannot even be copied
+        return Outcome("skipped", detail=f"copying the error input raised {_summary(e)}")
+    try:
+        op(copied[0], *copied[1], **copied[2])
+    except Exception as e:  # noqa: BLE001
+        eager = e
+    else:
+        return Outcome("eager-error", detail="eager did not raise: not an error input here")
+    line = []
+
+    def call():
+        inp, args, kwargs = _map(_produce, copy_sample(sample))
+        line.append(_here())
+        return op(inp, *args, **kwargs)  # the line an error must name
+
+    errors = []
+    try:
+        with ae.enabled(devices=(device,), backend=backend, hot_threshold=2):
+            for _ in range(3):
+                try:
+                    call()
+                except Exception as e:  # noqa: BLE001
+                    errors.append(e)
+                else:
+                    errors.append(None)
+    except Exception as e:  # noqa: BLE001
+        return Outcome("crash", detail=f"leaving the engine raised: {_summary(e)}")
+    finally:
+        ae.reset()
+    for e in errors:
+        if e is None:
+            return Outcome("crash", detail=f"eager raised {type(eager).__name__}, the engine "
+                           "did not")
+        if type(e) is not type(eager):
+            return Outcome("crash", detail=f"engine raised {type(e).__name__} where eager "
+                           f"raised {type(eager).__name__}: {_summary(e)}")
+        if not line or not _names_line(e, line[0] + 1):
+            return Outcome("crash", detail=f"{type(e).__name__} does not name the op's line: "
+                           f"{_summary(e)}")
+    return Outcome("identical", detail=type(eager).__name__)
+
+
+def _positional(copied):
+    inp, args, _ = copied
+    return [inp, *args]
+
+
+def _here() -> int:
+    import sys
+
+    return sys._getframe(1).f_lineno
+
+
+def _names_line(e: BaseException, lineno: int) -> bool:
+    tail = f"{__file__.rsplit('/', 1)[-1]}:{lineno}"
+    if tail in str(e):
+        return True
+    return any(f.filename == __file__ and f.lineno == lineno
+               for f in traceback.extract_tb(e.__traceback__))
+
+
+def _summary(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[0][:300] if msg else ''}"
+
+
+def device_differs(case: Case, cpu_samples) -> str | None:
+    """Plain eager on ``case.device`` against plain eager on cpu for the same samples
+    (bitwise: the emulated device promises the CPU's values). None when they agree; else
+    what differs (a bug of the device, reported in its own column)."""
+    try:
+        got = _step(case, [copy_sample(s) for s in case.samples], [None] * len(case.samples))
+    except Exception as e:  # noqa: BLE001
+        got = e
+    cpu_case = dataclasses.replace(case, device="cpu", samples=cpu_samples)
+    try:
+        want = _step(cpu_case, [copy_sample(s) for s in cpu_samples], [None] * len(cpu_samples))
+    except Exception as e:  # noqa: BLE001
+        want = e
+    if isinstance(got, Exception) or isinstance(want, Exception):
+        if type(got) is type(want):
+            return None
+        return f"device: {_summary(got) if isinstance(got, Exception) else 'ran'}; cpu: " \
+               f"{_summary(want) if isinstance(want, Exception) else 'ran'}"
+    try:
+        compare([r[0] for r in got], [_map(lambda t: t, r[0]) for r in want], exact=True,
+                strides=True, values=case.op.name not in UNSPECIFIED, where="device")
+    except Mismatch as e:
+        return str(e)
+    except Exception as e:  # noqa: BLE001 -- e.g. device tensors compared on the host
+        return _summary(e)
+    return None
+
+
+__all__ += ["device_differs", "copy_sample", "to_host"]

@@ -1,0 +1,360 @@
+"""The OpInfo sweep: every sample of PyTorch's ``op_db`` under the engine, against eager.
+
+    python -m tests.fidelity.opinfo --full          # everything; writes tests/fidelity/RESULTS.md
+    python -m tests.fidelity.opinfo --ops add,mm --devices cpu --backends exact
+
+Per device x backend x dtype it counts samples run, identical, fallbacks by reason, and
+failures per op (mismatches, crashes, silent fallbacks); on ``neuron`` a separate column
+counts samples where plain eager on the device differs from cpu (a device bug, not the
+engine's). Each finished op is appended to a JSON-lines log (``--log``) as it completes, so
+an interrupted sweep resumes where it stopped (``--resume``) and a hard crash of the process
+is recorded against the op that was running. ``harness.py`` says how each sample runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import json
+import os
+import sys
+import time
+
+# Measurements of the engine turn off the decisions taken from wall-clock timings: a sample
+# must never pass because the engine stepped aside.
+os.environ["NEURON_ADAPTIVE_EAGER_SUSPEND_RATIO"] = "0"
+os.environ["NEURON_ADAPTIVE_EAGER_RETIRE_RATIO"] = "0"
+
+import torch  # noqa: E402
+
+from . import harness  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "RESULTS.md")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KINDS = ("forward", "grad", "autocast", "error")
+
+# Autocast: ops in the families autocast changes (matmul, conv, linear, softmax, layer_norm,
+# losses) and elementwise ops beside them.
+AUTOCAST_OPS = (
+    "matmul", "mm", "bmm", "addmm", "nn.functional.linear", "nn.functional.conv1d",
+    "nn.functional.conv2d", "softmax", "log_softmax", "nn.functional.layer_norm",
+    "nn.functional.cross_entropy", "nn.functional.mse_loss", "nn.functional.nll_loss",
+    "nn.functional.binary_cross_entropy_with_logits", "add", "mul", "exp", "sigmoid",
+    "nn.functional.gelu", "sum",
+)
+
+
+def op_db():
+    from torch.testing._internal.common_methods_invocations import op_db as db
+
+    return db
+
+
+def op_id(op) -> str:
+    """The OpInfo's name, with its variant (``norm.nuc``): several OpInfos share a name."""
+    return f"{op.name}.{op.variant_test_name}" if op.variant_test_name else op.name
+
+
+def cpu_dtypes(op) -> set:
+    return set(op.supported_dtypes("cpu"))
+
+
+def samples(op, device, dtype, grad: bool, limit: int | None):
+    """The OpInfo's samples for ``device`` (generated there, seeded alike on every device,
+    so the emulated device's samples hold the CPU's values)."""
+    torch.manual_seed(0)
+    out = []
+    for s in op.sample_inputs(device, dtype, requires_grad=grad):
+        out.append(s)
+        if limit is not None and len(out) >= limit:
+            break
+    return out
+
+
+def error_inputs(op, device, limit):
+    if op.error_inputs_func is None:
+        return []
+    torch.manual_seed(0)
+    out = []
+    for e in op.error_inputs(device):
+        out.append(e)
+        if limit is not None and len(out) >= limit:
+            break
+    return out
+
+
+# ---------------------------------------------------------------------------- the sweep
+
+
+def _record(log, **fields):
+    log.write(json.dumps(fields) + "\n")
+    log.flush()
+
+
+def run_op(op, device, backend, dtype_name, kind, limit, log) -> list[dict]:
+    """Run one op for one combination; append its records to ``log`` and return them."""
+    dtype = DTYPES.get(dtype_name)
+    base = dict(op=op_id(op), device=device, backend=backend, dtype=dtype_name, kind=kind)
+    records = []
+
+    def emit(i, outcome, device_diff=None):
+        rec = dict(base, sample=i, status=outcome.status, reasons=list(outcome.reasons),
+                   detail=outcome.detail[:400], device_diff=device_diff)
+        records.append(rec)
+        _record(log, **rec)
+
+    if kind == "error":
+        for i, e in enumerate(error_inputs(op, device, limit)):
+            emit(i, harness.run_error_input(op, device, e, backend))
+        return records
+    grad = kind == "grad"
+    try:
+        ss = samples(op, device, dtype if kind != "autocast" else torch.float32, grad, limit)
+    except Exception as e:  # noqa: BLE001 -- a sample generator the device cannot run
+        emit(0, harness.Outcome("skipped", detail=f"samples on {device}: {e!r}"[:300]))
+        return records
+    if not ss:
+        return records
+    case = harness.Case(op, dtype if kind != "autocast" else torch.float32, device, ss,
+                        grad=grad, autocast=dtype if kind == "autocast" else None)
+    try:
+        outcomes = harness.run_case(case, backend)
+    except Exception as e:  # noqa: BLE001 -- the harness itself failed: a failure to look at
+        outcomes = [harness.Outcome("crash", detail=f"harness: {e!r}"[:400])] * len(ss)
+    diffs = [None] * len(ss)
+    if device != "cpu" and backend == "exact" and kind == "forward":
+        cpu = samples(op, "cpu", dtype, grad, limit)
+        for i, (s, c) in enumerate(zip(ss, cpu)):
+            diffs[i] = harness.device_differs(
+                harness.Case(op, dtype, device, [s]), [c])
+    for i, outcome in enumerate(outcomes):
+        emit(i, outcome, diffs[i])
+    return records
+
+
+def plan(ops, devices, backends, dtypes, kinds):
+    """(op, device, backend, dtype, kind) in the order the sweep runs them."""
+    for device in devices:
+        for backend in backends:
+            for kind in kinds:
+                for op in ops:
+                    supported = cpu_dtypes(op)
+                    if kind == "error":
+                        yield op, device, backend, "-", kind
+                        continue
+                    if kind == "autocast":
+                        if op.name not in AUTOCAST_OPS or torch.float32 not in supported:
+                            continue
+                        for name in dtypes:
+                            if name != "float32":
+                                yield op, device, backend, name, kind
+                        continue
+                    if kind == "grad" and not op.supports_autograd:
+                        continue
+                    for name in dtypes:
+                        if DTYPES[name] in supported:
+                            yield op, device, backend, name, kind
+
+
+def _key(op_name, device, backend, dtype, kind):
+    return f"{device}|{backend}|{dtype}|{kind}|{op_name}"
+
+
+def sweep(ops, devices, backends, dtypes, kinds, limit, log_path, resume, progress=True):
+    done, started = set(), {}
+    if resume and os.path.exists(log_path):
+        with open(log_path) as f:
+            for line in f:
+                rec = json.loads(line)
+                k = _key(rec["op"], rec["device"], rec["backend"], rec["dtype"], rec["kind"])
+                if rec.get("begin"):
+                    started[k] = rec
+                else:
+                    done.add(k)
+    items = list(plan(ops, devices, backends, dtypes, kinds))
+    if "neuron" in devices:
+        import adaptive_eager.neuron  # noqa: F401 -- registers the device
+    t0 = time.time()
+    with open(log_path, "a" if resume else "w") as log:
+        # an op that began in an earlier process and never finished took the process down
+        for k, rec in started.items():
+            if k not in done:
+                _record(log, **{**rec, "begin": False}, sample=0, status="crash", reasons=[],
+                        detail="the sweep process died while running this op",
+                        device_diff=None)
+                done.add(k)
+        for n, (op, device, backend, dtype, kind) in enumerate(items):
+            k = _key(op_id(op), device, backend, dtype, kind)
+            if k in done:
+                continue
+            _record(log, begin=True, op=op_id(op), device=device, backend=backend, dtype=dtype,
+                    kind=kind)
+            start = time.time()
+            recs = run_op(op, device, backend, dtype, kind, limit, log)
+            if progress:
+                bad = [r for r in recs if r["status"] in ("mismatch", "crash", "silent")]
+                print(f"[{n + 1}/{len(items)} {time.time() - t0:7.0f}s] {k}: {len(recs)} "
+                      f"samples {time.time() - start:.1f}s"
+                      + (f"  FAILED {len(bad)}: {bad[0]['status']} {bad[0]['detail'][:160]}"
+                         if bad else ""), flush=True)
+
+
+# ---------------------------------------------------------------------------- results
+
+
+def load(log_path) -> list[dict]:
+    out = []
+    with open(log_path) as f:
+        for line in f:
+            rec = json.loads(line)
+            if not rec.get("begin"):
+                out.append(rec)
+    return out
+
+
+def summarize(records):
+    """Per (device, backend, dtype, kind): counts, fallback reasons, failures per op."""
+    table = collections.defaultdict(lambda: dict(run=0, identical=0, fallback=0, host=0, no_op=0,
+                                                 dispatch_mode=0, eager_nondeterministic=0,
+                                                 eager_error=0, skipped=0, failed=0,
+                                                 device_diff=0,
+                                                 reasons=collections.Counter(),
+                                                 failures=collections.defaultdict(list),
+                                                 device_ops=collections.Counter()))
+    for r in records:
+        row = table[(r["device"], r["backend"], r["dtype"], r["kind"])]
+        row["run"] += 1
+        status = r["status"]
+        if status in ("mismatch", "crash", "silent"):
+            row["failed"] += 1
+            row["failures"][r["op"]].append(f"{status}: {r['detail']}")
+        else:
+            row[status.replace("-", "_")] += 1
+        for reason in r["reasons"]:
+            row["reasons"][reason] += 1
+        if r.get("device_diff"):
+            row["device_diff"] += 1
+            row["device_ops"][r["op"]] += 1
+    return table
+
+
+def write_results(records, command: str, path=RESULTS, elapsed: float | None = None):
+    table = summarize(records)
+    lines = [
+        "# OpInfo under the engine",
+        "",
+        f"Date: {datetime.date.today().isoformat()}. torch {torch.__version__}. Command:",
+        "",
+        f"    {command}",
+        "",
+    ]
+    if elapsed is not None:
+        lines += [f"Wall time of the sweep: {elapsed / 60:.0f} min.", ""]
+    lines += [
+        "Each sample runs inside a recurring step driven hot (tests/fidelity/harness.py): "
+        "inputs produced by a deferred op, the result consumed by one, the step ending at a "
+        "host read. *identical*: every run equals eager (exact: bitwise; inductor: the "
+        "OpInfo's tolerances) and the last run was deferred and replayed with no fallback. "
+        "*fallback*: equal to eager, but the engine took a counted fallback or boundary "
+        "(reasons below). *host*: 0-dim cpu tensors, run on the host by design. *no op*: the "
+        "sample issues no op on the device (shape functions). *dispatch mode*: differs from "
+        "plain eager exactly as eager under a pass-through dispatch mode does (Note [Any "
+        "dispatch mode] in harness.py), a property of intercepting through a mode. *eager "
+        "nondet.*: eager differs from itself; compared within tolerance. "
+        "*eager error*: eager raises on the sample; the engine raised the same type. "
+        "*failed*: a mismatch, a crash, or a silent fallback. *device differs*: plain eager "
+        "on neuron differs from plain eager on cpu (the device's bug, not the engine's).",
+        "",
+        "| device | backend | dtype | kind | samples | identical | % | fallback | host | "
+        "no op | dispatch mode | eager error | eager nondet. | skipped | failed | "
+        "device differs |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for key in sorted(table):
+        row = table[key]
+        judged = (row["run"] - row["eager_error"] - row["skipped"] - row["no_op"]
+                  - row["eager_nondeterministic"])
+        pct = 100.0 * (row["identical"] + row["host"]) / judged if judged else 100.0
+        lines.append("| " + " | ".join(key) + f" | {row['run']} | {row['identical']} | "
+                     f"{pct:.1f} | {row['fallback']} | {row['host']} | {row['no_op']} | "
+                     f"{row['dispatch_mode']} | {row['eager_error']} | "
+                     f"{row['eager_nondeterministic']} | "
+                     f"{row['skipped']} | {row['failed']} | {row['device_diff']} |")
+    lines += ["", "## Fallbacks by reason", ""]
+    for key in sorted(table):
+        if table[key]["reasons"]:
+            lines.append(f"- {' / '.join(key)}: " + "; ".join(
+                f"{reason} ({n})" for reason, n in table[key]["reasons"].most_common()))
+    lines += ["", "## Failures per op", ""]
+    any_failure = False
+    for key in sorted(table):
+        for op, fails in sorted(table[key]["failures"].items()):
+            any_failure = True
+            lines.append(f"- {' / '.join(key)} `{op}` ({len(fails)}): {fails[0][:300]}")
+    if not any_failure:
+        lines.append("None.")
+    lines += ["", "## Plain eager on neuron differs from cpu (device bugs)", ""]
+    any_device = False
+    for key in sorted(table):
+        if table[key]["device_ops"]:
+            any_device = True
+            lines.append(f"- {' / '.join(key)}: " + ", ".join(
+                f"`{op}` ({n})" for op, n in sorted(table[key]["device_ops"].items())))
+    if not any_device:
+        lines.append("None.")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m tests.fidelity.opinfo", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--full", action="store_true",
+                   help="every op, dtype, device, backend and kind; writes RESULTS.md")
+    p.add_argument("--ops", help="comma list of OpInfo names (default: all)")
+    p.add_argument("--devices", default="cpu,neuron")
+    p.add_argument("--backends", default="exact,inductor")
+    p.add_argument("--dtypes", default="float32,bfloat16,float16")
+    p.add_argument("--kinds", default=",".join(KINDS))
+    p.add_argument("--samples", type=int, default=None, help="samples per op (default: all)")
+    p.add_argument("--log", default=os.path.join(HERE, "sweep.jsonl"))
+    p.add_argument("--resume", action="store_true", help="skip what --log already holds")
+    p.add_argument("--results", default=None,
+                   help="write the summary here (default with --full: RESULTS.md)")
+    a = p.parse_args(argv)
+    db = op_db()
+    if a.ops:
+        names = a.ops.split(",")
+        ops = [op for op in db if op.name in names or op_id(op) in names]
+        unknown = [n for n in names if not any(n in (op.name, op_id(op)) for op in ops)]
+        if unknown:
+            p.error(f"--ops: unknown OpInfo names {unknown}; see "
+                    f"torch.testing._internal.common_methods_invocations.op_db")
+    else:
+        ops = db
+    choices = dict(devices=("cpu", "neuron"), backends=("exact", "inductor"),
+                   dtypes=tuple(DTYPES), kinds=KINDS)
+    lists = {}
+    for name, accepted in choices.items():
+        lists[name] = getattr(a, name).split(",")
+        bad = [v for v in lists[name] if v not in accepted]
+        if bad:
+            p.error(f"--{name}: {bad} not accepted; accepted: {', '.join(accepted)}")
+    start = time.time()
+    sweep(ops, lists["devices"], lists["backends"], lists["dtypes"], lists["kinds"],
+          a.samples, a.log, a.resume)
+    records = load(a.log)
+    out = a.results or (RESULTS if a.full else None)
+    if out:
+        write_results(records, "python -m tests.fidelity.opinfo " + " ".join(
+            argv if argv is not None else sys.argv[1:]), out, time.time() - start)
+        print(f"wrote {out}")
+    failed = [r for r in records if r["status"] in ("mismatch", "crash", "silent")]
+    print(f"{len(records)} samples, {len(failed)} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
