@@ -18,6 +18,7 @@ import collections
 import datetime
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -136,8 +137,8 @@ def run_op(op, device, backend, dtype_name, kind, limit, log) -> list[dict]:
 
 def plan(ops, devices, backends, dtypes, kinds):
     """(op, device, backend, dtype, kind) in the order the sweep runs them."""
-    for device in devices:
-        for backend in backends:
+    for backend in backends:  # exact everywhere first: it is the fast, bitwise half
+        for device in devices:
             for kind in kinds:
                 for op in ops:
                     supported = cpu_dtypes(op)
@@ -218,11 +219,14 @@ def summarize(records):
     """Per (device, backend, dtype, kind): counts, fallback reasons, failures per op."""
     table = collections.defaultdict(lambda: dict(run=0, identical=0, fallback=0, host=0, no_op=0,
                                                  dispatch_mode=0, eager_nondeterministic=0,
+                                                 device_bug=0,
                                                  eager_error=0, skipped=0, failed=0,
                                                  device_diff=0,
                                                  reasons=collections.Counter(),
                                                  failures=collections.defaultdict(list),
-                                                 device_ops=collections.Counter()))
+                                                 device_ops=collections.Counter(),
+                                                 noted=collections.defaultdict(
+                                                     collections.Counter)))
     for r in records:
         row = table[(r["device"], r["backend"], r["dtype"], r["kind"])]
         row["run"] += 1
@@ -232,15 +236,18 @@ def summarize(records):
             row["failures"][r["op"]].append(f"{status}: {r['detail']}")
         else:
             row[status.replace("-", "_")] += 1
+        if status in ("dispatch-mode", "eager-nondeterministic"):
+            row["noted"][status][r["op"]] += 1
         for reason in r["reasons"]:
             row["reasons"][reason] += 1
-        if r.get("device_diff"):
+        if r.get("device_diff") or status == "device-bug":
             row["device_diff"] += 1
             row["device_ops"][r["op"]] += 1
     return table
 
 
-def write_results(records, command: str, path=RESULTS, elapsed: float | None = None):
+def write_results(records, command: str, path=RESULTS, elapsed: float | None = None,
+                  partial: bool = False):
     table = summarize(records)
     lines = [
         "# OpInfo under the engine",
@@ -252,6 +259,9 @@ def write_results(records, command: str, path=RESULTS, elapsed: float | None = N
     ]
     if elapsed is not None:
         lines += [f"Wall time of the sweep: {elapsed / 60:.0f} min.", ""]
+    if partial:
+        lines += ["**Partial**: the sweep had not finished when this was written; the rows are "
+                  "what its log held (it resumes with `--resume`).", ""]
     lines += [
         "Each sample runs inside a recurring step driven hot (tests/fidelity/harness.py): "
         "inputs produced by a deferred op, the result consumed by one, the step ending at a "
@@ -265,28 +275,43 @@ def write_results(records, command: str, path=RESULTS, elapsed: float | None = N
         "nondet.*: eager differs from itself; compared within tolerance. "
         "*eager error*: eager raises on the sample; the engine raised the same type. "
         "*failed*: a mismatch, a crash, or a silent fallback. *device differs*: plain eager "
-        "on neuron differs from plain eager on cpu (the device's bug, not the engine's).",
+        "on neuron differs from plain eager on cpu (the device's bug, not the engine's). "
+        "Where plain eager on neuron is not even reproducible (it differs from itself), the "
+        "engine cannot be judged on the sample: it counts as device differs only. "
+        "*equal %*: samples whose every run equals eager (identical, fallback, host) among "
+        "those judged (all but no op, eager error, eager nondet., skipped and the "
+        "unreproducible device samples); *deferred %*: "
+        "identical ones, the engine deferring and replaying the sample.",
         "",
-        "| device | backend | dtype | kind | samples | identical | % | fallback | host | "
-        "no op | dispatch mode | eager error | eager nondet. | skipped | failed | "
-        "device differs |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| device | backend | dtype | kind | samples | identical | fallback | host | no op | "
+        "dispatch mode | eager error | eager nondet. | skipped | failed | equal % | "
+        "deferred % | device differs |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key in sorted(table):
         row = table[key]
         judged = (row["run"] - row["eager_error"] - row["skipped"] - row["no_op"]
-                  - row["eager_nondeterministic"])
-        pct = 100.0 * (row["identical"] + row["host"]) / judged if judged else 100.0
-        lines.append("| " + " | ".join(key) + f" | {row['run']} | {row['identical']} | "
-                     f"{pct:.1f} | {row['fallback']} | {row['host']} | {row['no_op']} | "
-                     f"{row['dispatch_mode']} | {row['eager_error']} | "
-                     f"{row['eager_nondeterministic']} | "
-                     f"{row['skipped']} | {row['failed']} | {row['device_diff']} |")
+                  - row["eager_nondeterministic"] - row["device_bug"])
+        equal = row["identical"] + row["fallback"] + row["host"]
+        pct = lambda n: f"{100.0 * n / judged:.2f}" if judged else "-"  # noqa: E731
+        lines.append("| " + " | ".join(key) + " | " + " | ".join(str(row[c]) for c in (
+            "run", "identical", "fallback", "host", "no_op", "dispatch_mode", "eager_error",
+            "eager_nondeterministic", "skipped", "failed")) + f" | {pct(equal)} | "
+            f"{pct(row['identical'])} | {row['device_diff']} |")
     lines += ["", "## Fallbacks by reason", ""]
     for key in sorted(table):
         if table[key]["reasons"]:
             lines.append(f"- {' / '.join(key)}: " + "; ".join(
                 f"{reason} ({n})" for reason, n in table[key]["reasons"].most_common()))
+    for status, title in (("dispatch-mode", "Ops that differ under any dispatch mode"),
+                          ("eager-nondeterministic", "Ops whose eager result varies run to run")):
+        lines += ["", f"## {title}", ""]
+        noted = [(key, table[key]["noted"][status]) for key in sorted(table)
+                 if table[key]["noted"][status]]
+        lines += [f"- {' / '.join(key)}: " + ", ".join(f"`{op}` ({n})" for op, n in
+                                                     sorted(ops.items())) for key, ops in noted]
+        if not noted:
+            lines.append("None.")
     lines += ["", "## Failures per op", ""]
     any_failure = False
     for key in sorted(table):
@@ -321,6 +346,9 @@ def main(argv=None):
     p.add_argument("--samples", type=int, default=None, help="samples per op (default: all)")
     p.add_argument("--log", default=os.path.join(HERE, "sweep.jsonl"))
     p.add_argument("--resume", action="store_true", help="skip what --log already holds")
+    p.add_argument("--report", action="store_true",
+                   help="run nothing: write the summary of what --log holds so far")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--results", default=None,
                    help="write the summary here (default with --full: RESULTS.md)")
     a = p.parse_args(argv)
@@ -343,8 +371,30 @@ def main(argv=None):
         if bad:
             p.error(f"--{name}: {bad} not accepted; accepted: {', '.join(accepted)}")
     start = time.time()
-    sweep(ops, lists["devices"], lists["backends"], lists["dtypes"], lists["kinds"],
-          a.samples, a.log, a.resume)
+    if a.report:
+        write_results(load(a.log), "python -m tests.fidelity.opinfo " + " ".join(
+            x for x in (argv if argv is not None else sys.argv[1:]) if x != "--report"),
+            a.results or RESULTS, partial=True)
+        print(f"wrote {a.results or RESULTS}")
+        return 0
+    if a.child:
+        sweep(ops, lists["devices"], lists["backends"], lists["dtypes"], lists["kinds"],
+              a.samples, a.log, a.resume)
+        return 0
+    # Note [Sweep in a child]: a few device bugs abort the process (tests/fidelity/
+    # RESULTS.md). The sweep runs in a child process; when one dies, the next resumes after
+    # the op it died on, which is recorded as a crash.
+    argv_child = [x for x in (argv if argv is not None else sys.argv[1:])
+                  if x not in ("--full", "--resume")]
+    resume = a.resume
+    for attempt in range(200):
+        cmd = [sys.executable, "-m", "tests.fidelity.opinfo", *argv_child, "--child"]
+        rc = subprocess.call(cmd + (["--resume"] if resume else []))
+        if rc == 0:
+            break
+        print(f"sweep process exited with {rc}: resuming after the op it was running",
+              flush=True)
+        resume = True
     records = load(a.log)
     out = a.results or (RESULTS if a.full else None)
     if out:
