@@ -14,8 +14,9 @@ mutations of external inputs in place.
 it is bitwise equal to eager; it serves every variant. ``inductor`` traces the program with
 ``make_fx`` + functionalization and Inductor's decompositions, then ``compile_fx_inner`` with
 ``fallback_random=True`` (random ops call eager's kernels in program order, so they consume
-the generator exactly as eager). We call the compiled module's ``current_callable`` directly:
-the ``compile_fx`` wrapper costs microseconds per launch that buy nothing here.
+the generator exactly as eager) and ``emulate_precision_casts=True`` (Note [Eager's
+precision]). We call the compiled module's ``current_callable`` directly: the ``compile_fx``
+wrapper costs microseconds per launch that buy nothing here.
 """
 
 from __future__ import annotations
@@ -251,7 +252,12 @@ def _inductor_compile(specs, ext_metas, live_metas, the_plan, spec_values, devic
     from torch._inductor.compile_fx import compile_fx_inner
 
     start = time.perf_counter()
-    with inductor_config.patch(fallback_random=True):
+    # Note [Eager's precision]: Inductor computes fused bf16/fp16 pointwise chains in float32
+    # and rounds once, at the store; eager rounds every op's result to its dtype. That is a
+    # precision eager does not have (a 16-op bf16 chain: 0.09 apart). With
+    # emulate_precision_casts Inductor rounds each intermediate as eager does (the fused
+    # chain is then bitwise eager's); float32 code is unchanged.
+    with inductor_config.patch(fallback_random=True, emulate_precision_casts=True):
         gm, inputs, fake_mode = trace(specs, ext_metas, live_metas, the_plan, spec_values,
                                       device_map, kernels)
         with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
