@@ -152,13 +152,17 @@ class AdaptiveEagerMode(TorchDispatchMode):
             r = child.fast(args, kwargs, S)
             if r is not MISS:
                 return r
-        if S.hot and self._diverge(func):  # the path is cut here: start a new segment
-            return self._step(func, info, args, kwargs, tensors)
-        if child is not None and child.blocked:
+        if child is not None and child.blocked:  # learned as a boundary: the path ends here
+            was_hot = S.hot
+            if was_hot:  # launch the hot prefix first: the op may read what it computes
+                self.end_segment("boundary op")
             res = self._run_cold(func, info, args, kwargs) if op.res is None else op.res
-            self.end_segment("boundary op")
+            if not was_hot:
+                self.end_segment("boundary op")
             self.counters.fallback(child.blocked)
             return res
+        if S.hot and self._diverge(func):  # the path is cut here: start a new segment
+            return self._step(func, info, args, kwargs, tensors)
         if S.n_ops == 0:
             S.t0 = time.perf_counter()
         if child is None:

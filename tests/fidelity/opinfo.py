@@ -152,8 +152,10 @@ def plan(ops, devices, backends, dtypes, kinds):
                             if name != "float32":
                                 yield op, device, backend, name, kind
                         continue
-                    if kind == "grad" and not op.supports_autograd:
-                        continue
+                    if kind == "grad":
+                        if not op.supports_autograd:
+                            continue
+                        supported = set(op.supported_backward_dtypes("cpu"))
                     for name in dtypes:
                         if DTYPES[name] in supported:
                             yield op, device, backend, name, kind
@@ -206,13 +208,17 @@ def sweep(ops, devices, backends, dtypes, kinds, limit, log_path, resume, progre
 
 
 def load(log_path) -> list[dict]:
-    out = []
+    """The log's sample records; where an op ran more than once, its last run's."""
+    runs: dict = {}
     with open(log_path) as f:
         for line in f:
             rec = json.loads(line)
-            if not rec.get("begin"):
-                out.append(rec)
-    return out
+            k = _key(rec["op"], rec["device"], rec["backend"], rec["dtype"], rec["kind"])
+            if rec.get("begin"):
+                runs[k] = []
+            else:
+                runs.setdefault(k, []).append(rec)
+    return [rec for recs in runs.values() for rec in recs]
 
 
 def summarize(records):
