@@ -350,7 +350,10 @@ def _classify(before, after) -> Outcome:
         return Outcome("fallback", tuple(sorted(reasons)))
     if after.ops_deferred > before.ops_deferred:
         return Outcome("identical")
-    if after.ops_intercepted == before.ops_intercepted:
+    if (after.ops_intercepted - before.ops_intercepted
+            == after.ops_passthrough - before.ops_passthrough):
+        # nothing the engine manages: shape functions, or a factory that builds its result
+        # on another device (a sample without a device argument)
         return Outcome("no-op", detail="the sample issues no op on the device")
     if after.ops_host > before.ops_host:
         return Outcome("host", ("0-dim cpu tensors run on the host (Note [Host scalars])",))
