@@ -131,9 +131,10 @@ def run_op(op, device, backend, dtype_name, kind, limit, log) -> list[dict]:
             diffs[i] = harness.device_differs(
                 harness.Case(op, dtype, device, [s]), [c])
     for i, outcome in enumerate(outcomes):
-        if outcome.status == "mismatch" and diffs[i]:
+        if outcome.failed and diffs[i]:
             # plain eager on the device is already wrong on this sample (it differs from
-            # cpu): the engine cannot be judged against it until the device is fixed
+            # cpu, or raises where cpu runs): the engine cannot be judged against it until
+            # the device is fixed
             outcome = harness.Outcome("device-bug", detail=f"plain eager on {device} "
                                       f"differs from cpu ({diffs[i]}); {outcome.detail}")
         emit(i, outcome, diffs[i])
