@@ -121,8 +121,8 @@ class Path:
         for n, spec, at in randoms:
             if at is None:
                 return True
-            i, name = at
-            p = spec.args[i] if i < len(spec.args) else spec.kwargs.get(name, 0.0)
+            i, name, default = at
+            p = spec.args[i] if i < len(spec.args) else spec.kwargs.get(name, default)
             if type(p) is Rec:
                 p = floats[n][p.j]
             if p:
@@ -186,10 +186,13 @@ class Path:
 
 
 def _probability_arg(func):
-    """(position, name) of a dropout-like op's probability argument, else None."""
+    """(position, name, default) of a dropout-like op's probability argument, else None.
+
+    The default matters: PyTorch leaves out an argument passed at its default value
+    (``bernoulli_(0.5)`` is recorded as ``bernoulli_(t)``), and such an op draws."""
     for i, a in enumerate(func._schema.arguments):
         if a.name in ("p", "dropout_p"):
-            return i, a.name
+            return i, a.name, a.default_value or 0.0
     return None
 
 

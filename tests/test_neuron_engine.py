@@ -308,3 +308,27 @@ def test_zoo_models_under_the_engine_on_the_device_bitwise(name):
     got, per = zoo_run(name, "tiny", DEV, True, 5)
     assert got == ref
     assert max(per[-2:]) <= (8 if name == "qwen2moe" else 3)  # MoE: counted index boundaries
+
+
+def test_random_op_at_default_probability_draws_from_its_recorded_state():
+    # Found by the OpInfo sweep (its random ops run inside freeze_rng_state): a replay holding
+    # bernoulli_(0.5) -- recorded without its p, 0.5 being the default -- was taken for one
+    # that draws nothing, so the host did not wait for it and put the generator back before
+    # the device drew.
+    x = torch.randn(5, 5).to(DEV)
+
+    def step():
+        c = x * 1
+        saved = torch.get_rng_state()
+        torch.manual_seed(42)
+        mask = torch.empty_like(c).bernoulli_(0.5)
+        torch.set_rng_state(saved)
+        y = c * mask
+        return y.cpu(), y.sum().item()
+
+    torch.manual_seed(0)
+    ref = step()[0]
+    with ae.enabled(backend="exact"):
+        got = [step()[0] for _ in range(5)]
+        assert ae.stats().replays >= 3
+    assert all(torch.equal(g, ref) for g in got)

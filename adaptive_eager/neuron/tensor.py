@@ -434,8 +434,11 @@ def _run_synced(func, args, kwargs, reason):
 
 
 def _dropout_like(func, args, kwargs, at, train_at):
-    name = func._schema.arguments[at].name
-    p = args[at] if len(args) > at else kwargs.get(name, 0.0)
+    arg = func._schema.arguments[at]
+    # PyTorch leaves out arguments passed at their default (``bernoulli_(0.5)`` arrives as
+    # ``bernoulli_(t)``): an absent ``p`` is the schema's default, not 0 (the device launched
+    # such draws without waiting, and they raced the host's next ``manual_seed``)
+    p = args[at] if len(args) > at else kwargs.get(arg.name, arg.default_value or 0.0)
     train = True
     if train_at is not None:
         train = args[train_at] if len(args) > train_at else kwargs.get("train", True)

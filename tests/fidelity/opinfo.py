@@ -243,6 +243,8 @@ def summarize(records):
         row = table[(r["device"], r["backend"], r["dtype"], r["kind"])]
         row["run"] += 1
         status = r["status"]
+        if status in ("mismatch", "crash", "silent") and r.get("device_diff"):
+            status = "device-bug"  # as run_op judges it (logs written before it did)
         if status in ("mismatch", "crash", "silent"):
             row["failed"] += 1
             row["failures"][r["op"]].append(f"{status}: {r['detail']}")

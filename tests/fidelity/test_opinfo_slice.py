@@ -56,17 +56,9 @@ SAMPLES = 3
 DISPATCH_MODE_OPS = {"linalg.svdvals", "masked_fill"}
 
 
-# Device bugs (tests/fidelity/RESULTS.md lists them) that take the process down or make eager
-# itself irreproducible: left out of the slice on that device and kind, with why. The sweep runs them in a child process that
-# it restarts, recording the crash against the op.
-UNSTABLE = {
-    # plain eager on the emulated device draws dropout's mask from the CPU generator at a
-    # time that varies run to run (seeding alike does not give the same mask): a device bug
-    # the sweep reports as ``device-bug`` when it catches eager differing from itself, and
-    # that no fixed slice can judge the engine on
-    key: {"nn.functional.dropout", "bernoulli", "rand_like"}
-    for key in (("neuron", "forward"), ("neuron", "grad"))
-}
+# Device bugs (tests/fidelity/RESULTS.md lists them) that take the process down: left out of
+# the slice on that device and kind, with why. The sweep runs them in a child process that it
+# restarts, recording the crash against the op.
 ABORTS = {
     ("neuron", "grad"): {
         # plain eager on neuron has no _efficientzerotensor (sgn's zero gradient); raised
@@ -90,7 +82,7 @@ def _sweep(names, device, backend, dtypes, kinds):
             pytest.skip("torch-neuronx is installed: the sweep's neuron slice is for the emulator")
     log = io.StringIO()
     for op, dev, be, dtype, kind in opinfo.plan(_ops(names), [device], [backend], dtypes, kinds):
-        if op.name not in ABORTS.get((dev, kind), set()) | UNSTABLE.get((dev, kind), set()):
+        if op.name not in ABORTS.get((dev, kind), ()):
             opinfo.run_op(op, dev, be, dtype, kind, SAMPLES, log)
     return [json.loads(line) for line in log.getvalue().splitlines()]
 
