@@ -355,3 +355,19 @@ def test_dropout_same_numbers_and_gradients_as_cpu(p, inplace):
 
     for a, b in zip(run(DEV), run("cpu")):
         assert torch.equal(a, b)
+
+
+def test_op_outside_aten_runs_while_the_host_waits():
+    # Note [Ops outside aten] (adaptive_eager/neuron/tensor.py): found by the OpInfo sweep as
+    # a deadlock of linear_cross_entropy's backward under the engine.
+    import adaptive_eager.neuron as neuron
+
+    @torch.library.custom_op("adaptive_eager_test::twice", mutates_args=())
+    def twice(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    x = torch.randn(4, device=DEV)
+    before = neuron.counters().syncs_by_reason.get("op outside aten", 0)
+    y = twice(x)
+    assert neuron.counters().syncs_by_reason.get("op outside aten", 0) == before + 1
+    assert torch.equal(y.cpu(), x.cpu() * 2)

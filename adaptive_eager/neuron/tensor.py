@@ -172,7 +172,18 @@ def _route(func):
                 return functools.partial(_dropout_like, at=names.index(p),
                                          train_at=names.index("train") if "train" in names else None)
         return _synced("random op")
+    if func.namespace not in _KERNEL_NAMESPACES:
+        # Note [Ops outside aten]: a library's own op (``torch_nn._linear_cross_entropy_*``)
+        # runs Python that can share host objects with the program (a context object its
+        # forward fills and its backward reads through a ``cached_property``, which takes
+        # a lock). Run on the worker while the host goes on, it deadlocked with a host
+        # thread holding that lock and waiting for the device. A real device runs such a
+        # body on the host; here the host waits while the worker runs it.
+        return _synced("op outside aten")
     return _launch
+
+
+_KERNEL_NAMESPACES = frozenset({"aten", "prims"})
 
 
 def _histc(self, bins=100, min=0, max=0):

@@ -33,7 +33,7 @@ SLICE = (
     "softmax", "log_softmax", "nn.functional.layer_norm", "nn.functional.batch_norm",
     "nn.functional.group_norm",
     # losses
-    "nn.functional.cross_entropy", "nn.functional.mse_loss",
+    "nn.functional.cross_entropy", "nn.functional.mse_loss", "nn.functional.linear_cross_entropy",
     # indexing
     "index_select", "gather", "scatter_add", "index_put", "masked_fill", "take_along_dim",
     # shapes and views
