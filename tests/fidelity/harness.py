@@ -476,16 +476,21 @@ def _summary(e: BaseException) -> str:
 
 
 def device_differs(case: Case, cpu_samples) -> str | None:
-    """Plain eager on ``case.device`` against plain eager on cpu for the same samples
-    (bitwise: the emulated device promises the CPU's values). None when they agree; else
+    """Plain eager on ``case.device`` against plain eager on cpu for the same samples, and
+    their gradients when the case has them (bitwise: the emulated device promises the CPU's
+    values). None when they agree; else
     what differs (a bug of the device, reported in its own column)."""
+    def run(c):
+        copies = [copy_sample(s) for s in c.samples]
+        return _step(c, copies, _grad_outs(c, [copy_sample(s) for s in c.samples]))
+
     try:
-        got = _step(case, [copy_sample(s) for s in case.samples], [None] * len(case.samples))
+        got = run(case)
     except Exception as e:  # noqa: BLE001
         got = e
     cpu_case = dataclasses.replace(case, device="cpu", samples=cpu_samples)
     try:
-        want = _step(cpu_case, [copy_sample(s) for s in cpu_samples], [None] * len(cpu_samples))
+        want = run(cpu_case)
     except Exception as e:  # noqa: BLE001
         want = e
     if isinstance(got, Exception) or isinstance(want, Exception):
@@ -496,6 +501,9 @@ def device_differs(case: Case, cpu_samples) -> str | None:
     try:
         compare([r[0] for r in got], [r[0] for r in want], exact=True,
                 strides=True, values=case.op.name not in UNSPECIFIED, where="device")
+        if case.grad:
+            compare([r[1] for r in got], [r[1] for r in want], exact=True, strides=False,
+                    values=case.op.name not in UNSPECIFIED, where="device grad")
     except Mismatch as e:
         return str(e)
     except Exception as e:  # noqa: BLE001 -- e.g. device tensors compared on the host

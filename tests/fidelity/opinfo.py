@@ -125,11 +125,13 @@ def run_op(op, device, backend, dtype_name, kind, limit, log) -> list[dict]:
     except Exception as e:  # noqa: BLE001 -- the harness itself failed: a failure to look at
         outcomes = [harness.Outcome("crash", detail=f"harness: {e!r}"[:400])] * len(ss)
     diffs = [None] * len(ss)
-    if device != "cpu" and kind == "forward":
+    if device != "cpu" and kind in ("forward", "grad"):
+        # every forward sample (the device column); gradients where the engine failed only
         cpu = samples(op, "cpu", dtype, grad, limit)
         for i, (s, c) in enumerate(zip(ss, cpu)):
-            diffs[i] = harness.device_differs(
-                harness.Case(op, dtype, device, [s]), [c])
+            if kind == "forward" or outcomes[i].failed:
+                diffs[i] = harness.device_differs(
+                    harness.Case(op, dtype, device, [s], grad=grad), [c])
     for i, outcome in enumerate(outcomes):
         if outcome.failed and diffs[i]:
             # plain eager on the device is already wrong on this sample (it differs from
