@@ -404,26 +404,29 @@ def _engine_error(case, backend, fn, runs: int = 3):
 
 
 def run_error_input(op, device: str, error_input, backend: str) -> Outcome:
-    """An OpInfo error input: the engine raises eager's exception type on every run, and the
-    traceback (or the message) names the line of the op call."""
+    """An OpInfo error input: the engine raises eager's exception type on every run, and its
+    traceback (or message) names the line of the op call wherever eager's does (an error a
+    device reports later, at a sync, names the line of the sync in eager too)."""
     sample = error_input.sample_input
     try:
-        copied = copy_sample(sample)
+        copy_sample(sample)
     except Exception as e:  # noqa: BLE001 -- the sample cannot even be copied
         return Outcome("skipped", detail=f"copying the error input raised {_summary(e)}")
-    try:
-        op(copied[0], *copied[1], **copied[2])
-    except Exception as e:  # noqa: BLE001
-        eager = e
-    else:
-        return Outcome("eager-error", detail="eager did not raise: not an error input here")
     line = []
 
     def call():
         inp, args, kwargs = _map(_produce, copy_sample(sample))
         line.append(_here())
-        return op(inp, *args, **kwargs)  # the line an error must name
+        op(inp, *args, **kwargs)  # the line an error must name
+        _sync(device)  # an asynchronous device raises at a sync: this sample's, not the next
 
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001
+        eager = e
+    else:
+        return Outcome("eager-error", detail="eager did not raise: not an error input here")
+    eager_names = _names_line(eager, line[0] + 1)
     errors = []
     try:
         with ae.enabled(devices=(device,), backend=backend, hot_threshold=2):
@@ -445,15 +448,15 @@ def run_error_input(op, device: str, error_input, backend: str) -> Outcome:
         if type(e) is not type(eager):
             return Outcome("crash", detail=f"engine raised {type(e).__name__} where eager "
                            f"raised {type(eager).__name__}: {_summary(e)}")
-        if not line or not _names_line(e, line[0] + 1):
+        if eager_names and not _names_line(e, line[-1] + 1):
             return Outcome("crash", detail=f"{type(e).__name__} does not name the op's line: "
                            f"{_summary(e)}")
     return Outcome("identical", detail=type(eager).__name__)
 
 
-def _positional(copied):
-    inp, args, _ = copied
-    return [inp, *args]
+def _sync(device: str) -> None:
+    if device != "cpu":
+        torch.get_device_module(device).synchronize()
 
 
 def _here() -> int:
