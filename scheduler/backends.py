@@ -231,13 +231,13 @@ def trace(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values: tuple
 # float32 and rounds once, where Inductor's decomposition computes the same in another order
 # and rounds differently; in bfloat16 and float16 that was found beyond the OpInfo's
 # tolerances (tests/fidelity/RESULTS.md: log_softmax by a bf16 ulp where the value is small,
-# mse_loss by two fp16 ulps). In graphs with 16-bit values they are not decomposed: the
+# mse_loss by two fp16 ulps, addr by a bf16 ulp). In graphs with 16-bit values they are not decomposed: the
 # fused graph calls eager's kernel for them (Inductor's fallback for an op it has no
 # lowering for), bitwise eager's, and fuses around them.
 KEPT_WHOLE = frozenset({
     aten._softmax.default, aten._log_softmax.default, aten._softmax_backward_data.default,
     aten._log_softmax_backward_data.default, aten.mse_loss.default,
-    aten.mse_loss_backward.default,
+    aten.mse_loss_backward.default, aten.addr.default,
 })
 _LOW = (torch.bfloat16, torch.float16)
 
