@@ -214,6 +214,10 @@ def trace(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values: tuple
     decompositions = select_decomp_table()
     if _low_precision(specs, ext_metas):  # Note [Eager's precision]
         decompositions = {k: v for k, v in decompositions.items() if k not in KEPT_WHOLE}
+        unsafe = sorted({str(s.func) for s in specs if s.func in NOT_FUSED_16BIT})
+        if unsafe:
+            raise PrecisionUnsafe(f"16-bit {', '.join(unsafe)}: Inductor rounds it otherwise "
+                                  "than eager")
     with fake_mode:
         inputs = [_fake_like(ext_metas[k]._replace(offset=0)) for k in ext_inputs]
         if has_packed:
@@ -231,14 +235,25 @@ def trace(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values: tuple
 # float32 and rounds once, where Inductor's decomposition computes the same in another order
 # and rounds differently; in bfloat16 and float16 that was found beyond the OpInfo's
 # tolerances (tests/fidelity/RESULTS.md: log_softmax by a bf16 ulp where the value is small,
-# mse_loss by two fp16 ulps, addr by a bf16 ulp). In graphs with 16-bit values they are not decomposed: the
+# mse_loss by two fp16 ulps, addr and cross by a bf16 ulp, floor_divide by 1 where the
+# quotient is near an integer, linspace by a bf16 ulp). In graphs with 16-bit values they are not decomposed: the
 # fused graph calls eager's kernel for them (Inductor's fallback for an op it has no
 # lowering for), bitwise eager's, and fuses around them.
 KEPT_WHOLE = frozenset({
     aten._softmax.default, aten._log_softmax.default, aten._softmax_backward_data.default,
     aten._log_softmax_backward_data.default, aten.mse_loss.default,
-    aten.mse_loss_backward.default, aten.addr.default,
+    aten.mse_loss_backward.default, aten.addr.default, aten.linalg_cross.default,
+    aten.floor_divide.default, aten.linspace.default, aten.linspace.Tensor_Tensor,
+    aten.linspace.Tensor_Scalar, aten.linspace.Scalar_Tensor,
 })
+# Ops Inductor lowers itself (no decomposition to leave out) whose 16-bit results differ from
+# eager's beyond the tolerances: a 16-bit graph holding one is not compiled, and its path
+# replays exactly (counted: "no fused graph (its compile failed)", with this reason logged).
+NOT_FUSED_16BIT = frozenset({aten.div.Tensor_mode, aten.div.Scalar_mode})
+
+
+class PrecisionUnsafe(RuntimeError):
+    """The graph cannot be fused with eager's 16-bit rounding (Note [Eager's precision])."""
 _LOW = (torch.bfloat16, torch.float16)
 
 
