@@ -182,7 +182,7 @@ def sweep(ops, devices, backends, dtypes, kinds, limit, log_path, resume, progre
                 k = _key(rec["op"], rec["device"], rec["backend"], rec["dtype"], rec["kind"])
                 if rec.get("begin"):
                     started[k] = rec
-                else:
+                elif rec.get("end") or "status" in rec:
                     done.add(k)
     items = list(plan(ops, devices, backends, dtypes, kinds))
     if "neuron" in devices:
@@ -204,6 +204,9 @@ def sweep(ops, devices, backends, dtypes, kinds, limit, log_path, resume, progre
                     kind=kind)
             start = time.time()
             recs = run_op(op, device, backend, dtype, kind, limit, log)
+            # an op with no sample writes nothing else: without this it would look unfinished
+            _record(log, end=True, op=op_id(op), device=device, backend=backend, dtype=dtype,
+                    kind=kind)
             if progress:
                 bad = [r for r in recs if r["status"] in ("mismatch", "crash", "silent")]
                 print(f"[{n + 1}/{len(items)} {time.time() - t0:7.0f}s] {k}: {len(recs)} "
@@ -224,7 +227,7 @@ def load(log_path) -> list[dict]:
             k = _key(rec["op"], rec["device"], rec["backend"], rec["dtype"], rec["kind"])
             if rec.get("begin"):
                 runs[k] = []
-            else:
+            elif "status" in rec:
                 runs.setdefault(k, []).append(rec)
     return [rec for recs in runs.values() for rec in recs]
 
