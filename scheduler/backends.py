@@ -236,9 +236,9 @@ def trace(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values: tuple
 # and rounds differently; in bfloat16 and float16 that was found beyond the OpInfo's
 # tolerances (tests/fidelity/RESULTS.md: log_softmax by a bf16 ulp where the value is small,
 # mse_loss by two fp16 ulps, addr and cross by a bf16 ulp, floor_divide by 1 where the
-# quotient is near an integer, linspace by a bf16 ulp). In graphs with 16-bit values they are not decomposed: the
-# fused graph calls eager's kernel for them (Inductor's fallback for an op it has no
-# lowering for), bitwise eager's, and fuses around them.
+# quotient is near an integer, linspace by a bf16 ulp). In graphs with 16-bit values they are
+# not decomposed: the fused graph calls eager's kernel for them (Inductor's fallback for an
+# op it has no lowering for), bitwise eager's, and fuses around them.
 KEPT_WHOLE = frozenset({
     aten._softmax.default, aten._log_softmax.default, aten._softmax_backward_data.default,
     aten._log_softmax_backward_data.default, aten.mse_loss.default,
@@ -252,9 +252,11 @@ KEPT_WHOLE = frozenset({
 NOT_FUSED_16BIT = frozenset({aten.div.Tensor_mode, aten.div.Scalar_mode})
 
 
+_LOW = (torch.bfloat16, torch.float16)
+
+
 class PrecisionUnsafe(RuntimeError):
     """The graph cannot be fused with eager's 16-bit rounding (Note [Eager's precision])."""
-_LOW = (torch.bfloat16, torch.float16)
 
 
 def _keep_whole_in_inductor() -> None:

@@ -32,9 +32,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import adaptive_eager as ae
 
-from .compare import Mismatch, compare, tolerance, to_host
+from .compare import Mismatch, compare, tolerance
 
-__all__ = ["Case", "Outcome", "run_case", "run_error_input", "ITERATIONS", "SEED"]
+__all__ = ["Case", "Outcome", "run_case", "run_error_input", "device_differs", "copy_sample",
+           "ITERATIONS", "SEED"]
 
 SEED = 1234
 ITERATIONS = {"exact": 4, "inductor": 5}
@@ -513,5 +514,3 @@ def device_differs(case: Case, cpu_samples) -> str | None:
         return _summary(e)
     return None
 
-
-__all__ += ["device_differs", "copy_sample", "to_host"]

@@ -143,8 +143,6 @@ def test_neuron_device_column_sees_a_device_difference(monkeypatch):
     from . import harness
 
     op = _ops(["exp"])[0]
-    import adaptive_eager.neuron  # noqa: F401
-
     samples = opinfo.samples(op, "neuron", torch.float32, False, 1)
     cpu = opinfo.samples(op, "cpu", torch.float32, False, 1)
     case = harness.Case(op, torch.float32, "neuron", samples)
