@@ -22,6 +22,8 @@ import threading
 
 import torch
 
+from . import composites
+
 __all__ = ["install", "GUARDED"]
 
 # The guarded methods, and the boundary reason of each in the program's words (explain()
@@ -66,12 +68,12 @@ def count_reads(engine, on: bool) -> None:
             for name in COUNTED:
                 originals[name] = getattr(torch.Tensor, name)
                 setattr(torch.Tensor, name, _count(engine, originals[name]))
-            _composite_reads(True)
+            composites.install(True)
         elif _counting[0] == 0 and originals:
             for name, original in originals.items():
                 setattr(torch.Tensor, name, original)
             originals.clear()
-            _composite_reads(False)
+            composites.install(False)
 
 
 def _count(engine, original):
@@ -100,50 +102,3 @@ def _guard(engine, name, original):
 
     guarded.__adaptive_eager_guard__ = True
     return guarded
-
-
-# Note [Reads inside composite ops]: a few of ATen's composite ops read a tensor argument's
-# data in C++ (``data_ptr``), above the dispatch mode and without an op it could see, then
-# issue ops whose arguments depend on what they read. ``tensor_split(x, indices)`` with a
-# 1-D CPU tensor of indices does: with that tensor deferred it read memory no op had written
-# yet and split at garbage (found by the OpInfo sweep, tests/fidelity). While the engine is
-# enabled on some thread, each such op's composite kernel is replaced by a Python one that
-# reads through ``item()`` / ``tolist()`` (which the engine sees: a pending tensor is
-# launched first) and otherwise does what ATen's does, with its checks and messages; when
-# the last thread disables the engine ATen's kernel is back. Cost: a Python call on these
-# ops only, and only while the engine is enabled.
-
-
-def _tensor_split(self, indices, dim=0):
-    if indices.device.type != "cpu":
-        raise RuntimeError("tensor_split expected tensor_indices_or_sections to be on cpu, "
-                           f"but it's on {indices.device}")
-    if indices.dtype != torch.long:
-        raise RuntimeError("tensor_split expected tensor_indices_or_sections to have dtype "
-                           f"of long, but got {indices.dtype}")
-    if indices.dim() not in (0, 1):
-        raise RuntimeError("tensor_split expected tensor_indices_or_sections to be a "
-                           "zero-dimensional or one-dimensional tensor, but got a tensor "
-                           f"with {indices.dim()} dims")
-    if indices.dim() == 0:
-        return torch.ops.aten.tensor_split.sections(self, indices.item(), dim)
-    return torch.ops.aten.tensor_split.indices(self, indices.tolist(), dim)
-
-
-COMPOSITE_READS = {"tensor_split.tensor_indices_or_sections": _tensor_split}
-_library: list = []
-
-
-def _composite_reads(on: bool) -> None:
-    """Install (``on``) or remove Note [Reads inside composite ops] (under ``_lock``)."""
-    import warnings
-
-    if on and not _library:
-        lib = torch.library.Library("aten", "IMPL")
-        with warnings.catch_warnings():  # "overriding a previously registered kernel"
-            warnings.simplefilter("ignore")
-            for name, fn in COMPOSITE_READS.items():
-                lib.impl(name, fn, "CompositeImplicitAutograd")
-        _library.append(lib)
-    elif not on and _library:
-        _library.pop()._destroy()

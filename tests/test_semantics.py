@@ -349,8 +349,8 @@ def test_result_with_overlapping_elements_is_a_counted_boundary():
 def test_tensor_split_reads_pending_indices():
     # Found by the OpInfo sweep: ATen's tensor_split reads a 1-D CPU tensor of indices in C++
     # (no op the engine sees), so deferred indices split at garbage (Note [Reads inside
-    # composite ops] in adaptive_eager/readguard.py).
-    from adaptive_eager import readguard
+    # composite ops] in adaptive_eager/composites.py).
+    from adaptive_eager import composites
 
     x = torch.randn(5, 5, 5)
     idx = torch.tensor([1, 3])
@@ -368,7 +368,45 @@ def test_tensor_split_reads_pending_indices():
             torch.tensor_split(x, torch.tensor([1.0]))
     assert all(g[0] == ref[0] and torch.equal(g[1], ref[1]) for g in got)
     assert ae.stats().replays >= 2
-    assert not readguard._library  # ATen's own kernel is back once the engine is off
+    assert not composites._library  # ATen's own kernel is back once the engine is off
+
+
+def test_linalg_values_as_plain_eager():
+    # Found by the OpInfo sweep: ATen's svdvals / eigvalsh compute the vectors too whenever a
+    # dispatch mode is active, and LAPACK then rounds the values differently (Note [Kernels
+    # that see the mode] in adaptive_eager/composites.py).
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from adaptive_eager import composites
+
+    class PassThrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    a = torch.randn(5, 5)
+    s = a + a.mT
+
+    def step():
+        x, y = a.clone(), s.clone()
+        out = [torch.linalg.svdvals(x), torch.linalg.matrix_norm(x, ord=2),
+               torch.linalg.eigvalsh(y), torch.linalg.eigvals(x)]
+        out[0].sum().item()  # the step ends at a host read
+        return out
+
+    ref = step()
+    with PassThrough():  # what any mode does to ATen's kernels: the difference is real
+        moded = step()
+    assert not torch.equal(moded[0], ref[0]) and not torch.equal(moded[2], ref[2])
+    with ae.enabled(**CPU):
+        got = [step() for _ in range(4)]
+        with PassThrough():  # another mode on the stack: ATen's choice, as in eager
+            assert torch.equal(step()[0], moded[0])
+        b = a.clone().requires_grad_()
+        torch.linalg.svdvals(b).sum().backward()  # a gradient still gets the vectors
+    assert all(torch.equal(g, r) for run in got for g, r in zip(run, ref))
+    assert ae.stats().replays >= 2
+    assert b.grad is not None and not composites._library
 
 
 def test_device_copy_is_a_boundary():

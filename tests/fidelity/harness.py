@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import random
 import traceback
 
 import torch
@@ -41,6 +42,7 @@ SEED = 1234
 ITERATIONS = {"exact": 4, "inductor": 5}
 _WAIT_BEFORE = 3  # inductor: the run before which the fused graph is awaited
 _COMPILE_TIMEOUT = 600.0
+_EAGER_REPEATS = 30  # before a mismatch is judged: eager again, up to this many times
 
 # Ops whose values are unspecified: OpInfo's own tests compare only their metadata.
 UNSPECIFIED = frozenset({
@@ -170,7 +172,9 @@ def _ambient(case: Case, on: bool):
     return torch.autocast(case.device, dtype=case.autocast)
 
 
-def _step(case: Case, copies, grad_outs, autocast_on=True):
+def _step(case: Case, copies, grad_outs, autocast_on=True, marks=None):
+    """One run of the step; with ``marks``, the engine's counters are appended to it after
+    each sample (reading them issues no op: the step's path is unchanged)."""
     results = []
     torch.manual_seed(SEED)
     with _ambient(case, autocast_on):
@@ -179,6 +183,8 @@ def _step(case: Case, copies, grad_outs, autocast_on=True):
             out, used, grads = _sample_step(case.op, copied, gouts)
             results.append((out, grads))
             used_all += used
+            if marks is not None:
+                marks.append(_mark())
         _host_read(used_all)
     return results
 
@@ -215,16 +221,17 @@ def _schedule(case: Case, backend: str) -> list[bool]:
 def run_case(case: Case, backend: str) -> list[Outcome]:
     """Run ``case`` in eager and under the engine; one Outcome per sample of the case.
 
-    The samples run together in one step (one segment, one graph); a case whose outcome is
-    not ``identical`` for all of them is run again one sample at a time, to say which.
+    The samples run together in one step (one segment, one graph: with ``inductor`` one
+    compile for the case). Each sample's outcome is read from the engine's counters between
+    samples (``_attribute``); a sample whose outcome that cannot tell, or that differs from
+    eager, runs again alone, to be judged (and diagnosed) by itself.
     """
     out = _run(case, backend)
-    if len(case.samples) == 1 or all(o.status == "identical" for o in out):
-        return out
-    single = []
-    for s in case.samples:
-        single += _run(dataclasses.replace(case, samples=[s]), backend)
-    return single
+    if len(case.samples) == 1:
+        return [o if o is not None else Outcome("crash", detail="unattributed") for o in out]
+    return [o if o is not None and o.status not in ("mismatch", "crash")
+            else _run(dataclasses.replace(case, samples=[s]), backend)[0]
+            for s, o in zip(case.samples, out)]
 
 
 def _run(case: Case, backend: str) -> list[Outcome]:
@@ -252,8 +259,8 @@ def _run(case: Case, backend: str) -> list[Outcome]:
                     ae.wait_compiles(_COMPILE_TIMEOUT)
                 copies = [copy_sample(s) for s in case.samples]
                 gouts = [_map(_copy_tensor, g) for g in reference[on][1]]
-                before = ae.stats()
-                runs.append((on, _step(case, copies, gouts, on)))
+                marks = [_mark()]
+                runs.append((on, _step(case, copies, gouts, on, marks)))
                 after = ae.stats()
     except Exception as e:  # noqa: BLE001
         return [Outcome("crash", detail=_summary(e))] * n
@@ -273,7 +280,8 @@ def _run(case: Case, backend: str) -> list[Outcome]:
             outcomes.append(_diagnose(case, backend, runs, reference, k, e) if n == 1
                             else Outcome("mismatch", detail=str(e)))
             continue
-        outcomes.append(_classify(before, after))
+        outcomes.append(_classify(marks[0][0], after) if n == 1 else
+                        _attribute(marks, after, k))
     return outcomes
 
 
@@ -300,9 +308,11 @@ def _diagnose(case, backend, runs, reference, k, mismatch) -> Outcome:
     rtol, atol = tolerance(case.op, case.dtype)
     schedule = [on for on, _ in runs]
     try:
-        # eager again, a few times: LAPACK's gelsy varies run to run, and so do the emulated
-        # device's random draws
-        for _ in range(6):
+        # eager again, a few times, each after another allocation history: LAPACK's gelsy
+        # varies with the memory its workspace lands on, and the emulated device's random
+        # draws vary run to run
+        for repeat in range(_EAGER_REPEATS):
+            _perturb_allocator(case.device, repeat)
             for on in sorted(set(schedule)):
                 copies = [copy_sample(s) for s in case.samples]
                 again = _step(case, copies, _map(_copy_tensor, reference[on][1]), on)
@@ -329,6 +339,15 @@ def _diagnose(case, backend, runs, reference, k, mismatch) -> Outcome:
     except Exception:  # noqa: BLE001 -- not explained by the mode: the engine's difference
         return Outcome("mismatch", detail=str(mismatch))
     return Outcome("dispatch-mode", detail=str(mismatch))
+
+
+def _perturb_allocator(device, repeat) -> None:
+    """Allocate and free a few NaN-filled buffers of sizes that differ per ``repeat``, so the
+    next allocations land elsewhere, over other garbage."""
+    pick = random.Random(repeat)
+    junk = [torch.full((pick.randint(1, 5000),), float("nan"), device=device)
+            for _ in range(repeat % 7)]
+    del junk
 
 
 def _compare_sample(got, want, exact, rtol, atol, case) -> None:
@@ -361,6 +380,42 @@ def _classify(before, after) -> Outcome:
     if after.ops_host > before.ops_host:
         return Outcome("host", ("0-dim cpu tensors run on the host (Note [Host scalars])",))
     return Outcome("silent", detail="the last run deferred nothing and counted no fallback")
+
+
+def _mark():
+    """The engine's counters, and how many ops wait in this thread's segment (the hot path
+    counts nothing as it goes: deferred ops are counted when their segment launches)."""
+    m = ae._engine().mode()
+    return ae.stats(), (len(m.seg.floats) if m is not None else 0)
+
+
+def _attribute(marks, after, k) -> Outcome | None:
+    """Sample ``k``'s outcome in a step of several, from the counters around its ops
+    (``marks[k]`` to ``marks[k + 1]``, see ``_mark``); None where they cannot tell it.
+
+    Fallbacks, boundaries, host scalars and ops run cold are counted as each op comes; an op
+    the engine defers either launched within the window or still waits in the segment. So a
+    sample whose window counts a reason took a fallback; one that ran ops cold with no reason
+    is left to a run of its own (a silent fallback, or a reason its launch counted); one
+    that deferred nothing is host-only or a no-op; the rest are identical when the step's
+    last launch (after the last sample) deferred ops and counted no reason of its own.
+    """
+    (w0, p0), (w1, p1), (last, _) = marks[k], marks[k + 1], marks[-1]
+    reasons = {r: c - w0.fallbacks.get(r, 0) for r, c in w1.fallbacks.items()
+               if c != w0.fallbacks.get(r, 0)}
+    if reasons:
+        return Outcome("fallback", tuple(sorted(reasons)))
+    if w1.ops_eager != w0.ops_eager:
+        return None
+    entered = w1.ops_deferred - w0.ops_deferred + p1 - p0
+    if not entered and w1.ops_host != w0.ops_host:
+        return Outcome("host", ("0-dim cpu tensors run on the host (Note [Host scalars])",))
+    if not entered and w1.ops_views == w0.ops_views:
+        return Outcome("no-op", detail="the sample issues no op on the device")
+    step_reasons = any(c != last.fallbacks.get(r, 0) for r, c in after.fallbacks.items())
+    if step_reasons or after.ops_deferred == marks[0][0].ops_deferred:
+        return None
+    return Outcome("identical")
 
 
 def _same_error(case: Case, backend: str, eager_error: BaseException) -> Outcome:

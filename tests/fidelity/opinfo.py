@@ -18,6 +18,7 @@ import collections
 import datetime
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -126,10 +127,11 @@ def run_op(op, device, backend, dtype_name, kind, limit, log) -> list[dict]:
         outcomes = [harness.Outcome("crash", detail=f"harness: {e!r}"[:400])] * len(ss)
     diffs = [None] * len(ss)
     if device != "cpu" and kind in ("forward", "grad"):
-        # every forward sample (the device column); gradients where the engine failed only
+        # the device column: every forward sample in the exact half (plain eager on the
+        # device does not depend on the engine's backend); elsewhere where the engine failed
         cpu = samples(op, "cpu", dtype, grad, limit)
         for i, (s, c) in enumerate(zip(ss, cpu)):
-            if kind == "forward" or outcomes[i].failed:
+            if (kind == "forward" and backend == "exact") or outcomes[i].failed:
                 diffs[i] = harness.device_differs(
                     harness.Case(op, dtype, device, [s], grad=grad), [c])
     for i, outcome in enumerate(outcomes):
@@ -182,6 +184,10 @@ def sweep(ops, devices, backends, dtypes, kinds, limit, log_path, resume, progre
                 k = _key(rec["op"], rec["device"], rec["backend"], rec["dtype"], rec["kind"])
                 if rec.get("begin"):
                     started[k] = rec
+                    done.discard(k)
+                elif rec.get("stopped"):
+                    started.pop(k, None)
+                    done.discard(k)
                 elif rec.get("end") or "status" in rec:
                     done.add(k)
     items = list(plan(ops, devices, backends, dtypes, kinds))
@@ -203,7 +209,12 @@ def sweep(ops, devices, backends, dtypes, kinds, limit, log_path, resume, progre
             _record(log, begin=True, op=op_id(op), device=device, backend=backend, dtype=dtype,
                     kind=kind)
             start = time.time()
-            recs = run_op(op, device, backend, dtype, kind, limit, log)
+            try:
+                recs = run_op(op, device, backend, dtype, kind, limit, log)
+            except _Stop:
+                _record(log, stopped=True, op=op_id(op), device=device, backend=backend,
+                        dtype=dtype, kind=kind)
+                raise
             # an op with no sample writes nothing else: without this it would look unfinished
             _record(log, end=True, op=op_id(op), device=device, backend=backend, dtype=dtype,
                     kind=kind)
@@ -352,6 +363,37 @@ def write_results(records, command: str, path=RESULTS, elapsed: float | None = N
         f.write("\n".join(lines) + "\n")
 
 
+# Note [Stopping a sweep]: a sweep stopped on purpose (SIGTERM, say from ``timeout``, or
+# Ctrl-C) marks the op it was running as stopped, not crashed, so that --resume runs it again;
+# the parent passes the signal on to its child.
+_STOPPED = 3
+
+
+class _Stop(BaseException):
+    pass
+
+
+def _raise_stop(signum, frame):
+    raise _Stop(signum)
+
+
+def _call_child(cmd) -> int:
+    child = subprocess.Popen(cmd)
+
+    def forward(signum, frame):
+        child.send_signal(signal.SIGTERM)
+
+    old = signal.signal(signal.SIGTERM, forward)
+    try:
+        while True:
+            try:
+                return child.wait()
+            except KeyboardInterrupt:  # the child got it too (same process group)
+                continue
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m tests.fidelity.opinfo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -397,8 +439,13 @@ def main(argv=None):
         print(f"wrote {a.results or RESULTS}")
         return 0
     if a.child:
-        sweep(ops, lists["devices"], lists["backends"], lists["dtypes"], lists["kinds"],
-              a.samples, a.log, a.resume)
+        signal.signal(signal.SIGTERM, _raise_stop)
+        signal.signal(signal.SIGINT, _raise_stop)
+        try:
+            sweep(ops, lists["devices"], lists["backends"], lists["dtypes"], lists["kinds"],
+                  a.samples, a.log, a.resume)
+        except _Stop:
+            return _STOPPED
         return 0
     # Note [Sweep in a child]: a few device bugs abort the process (tests/fidelity/
     # RESULTS.md). The sweep runs in a child process; when one dies, the next resumes after
@@ -408,9 +455,12 @@ def main(argv=None):
     resume = a.resume
     for attempt in range(200):
         cmd = [sys.executable, "-m", "tests.fidelity.opinfo", *argv_child, "--child"]
-        rc = subprocess.call(cmd + (["--resume"] if resume else []))
+        rc = _call_child(cmd + (["--resume"] if resume else []))
         if rc == 0:
             break
+        if rc == _STOPPED:
+            print("sweep stopped: --resume goes on from the op it was running", flush=True)
+            return _STOPPED
         print(f"sweep process exited with {rc}: resuming after the op it was running",
               flush=True)
         resume = True
