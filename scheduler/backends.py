@@ -214,6 +214,7 @@ def trace(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values: tuple
     decompositions = select_decomp_table()
     if _low_precision(specs, ext_metas):  # Note [Eager's precision]
         decompositions = {k: v for k, v in decompositions.items() if k not in KEPT_WHOLE}
+        kernels = {**OPAQUE_16BIT, **(kernels or {})}
         unsafe = sorted({str(s.func) for s in specs if s.func in NOT_FUSED_16BIT})
         if unsafe:
             raise PrecisionUnsafe(f"16-bit {', '.join(unsafe)}: Inductor rounds it otherwise "
@@ -236,15 +237,21 @@ def trace(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values: tuple
 # and rounds differently; in bfloat16 and float16 that was found beyond the OpInfo's
 # tolerances (tests/fidelity/RESULTS.md: log_softmax by a bf16 ulp where the value is small,
 # mse_loss by two fp16 ulps, addr and cross by a bf16 ulp, floor_divide by 1 where the
-# quotient is near an integer, linspace by a bf16 ulp). In graphs with 16-bit values they are
-# not decomposed: the fused graph calls eager's kernel for them (Inductor's fallback for an
-# op it has no lowering for), bitwise eager's, and fuses around them.
+# quotient is near an integer, linspace by a bf16 ulp, logspace by its base's power of a
+# rounded exponent, and the matrix products, which Inductor turns into a 16-bit multiply and a
+# sum when a dimension is small, where eager accumulates in float32 and rounds once). In
+# graphs with 16-bit values they are not decomposed: the fused graph calls eager's kernel for
+# them (Inductor's fallback for an op it has no lowering for), bitwise eager's, and fuses
+# around them.
 KEPT_WHOLE = frozenset({
     aten._softmax.default, aten._log_softmax.default, aten._softmax_backward_data.default,
     aten._log_softmax_backward_data.default, aten.mse_loss.default,
     aten.mse_loss_backward.default, aten.addr.default, aten.linalg_cross.default,
     aten.floor_divide.default, aten.linspace.default, aten.linspace.Tensor_Tensor,
-    aten.linspace.Tensor_Scalar, aten.linspace.Scalar_Tensor,
+    aten.linspace.Tensor_Scalar, aten.linspace.Scalar_Tensor, aten.logspace.default,
+    aten.logspace.Tensor_Tensor, aten.logspace.Tensor_Scalar, aten.logspace.Scalar_Tensor,
+    aten.mm.default, aten.bmm.default, aten.addmm.default, aten.mv.default, aten.addmv.default,
+    aten.dot.default, aten.vdot.default,
 })
 # Ops Inductor lowers itself (no decomposition to leave out) whose 16-bit results differ from
 # eager's beyond the tolerances: a 16-bit graph holding one is not compiled, and its path
@@ -253,6 +260,24 @@ NOT_FUSED_16BIT = frozenset({aten.div.Tensor_mode, aten.div.Scalar_mode})
 
 
 _LOW = (torch.bfloat16, torch.float16)
+
+
+# Ops whose Inductor *lowering* (not a decomposition) computes otherwise than eager in 16
+# bits: ``bmm`` with a row or column of size 1 becomes a 16-bit multiply and a sum. In 16-bit
+# graphs they are called through an opaque op of ours that runs eager's kernel, which Inductor
+# cannot look into (Note [Eager's precision]). Registered at import: a compiled graph calls it
+# in every process that loads the graph.
+@torch.library.custom_op("adaptive_eager::eager_bmm", mutates_args=())
+def _eager_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return aten.bmm.default(a, b)
+
+
+@_eager_bmm.register_fake
+def _(a, b):
+    return a.new_empty((a.shape[0], a.shape[1], b.shape[2]))
+
+
+OPAQUE_16BIT = {aten.bmm.default: torch.ops.adaptive_eager.eager_bmm.default}
 
 
 class PrecisionUnsafe(RuntimeError):

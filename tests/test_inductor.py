@@ -90,6 +90,28 @@ def test_low_precision_fused_kernels_stay_eager(dtype):
     assert all(torch.equal(g, r) for g, r in zip(got[:3], ref[:3]))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_products_stay_eager(dtype):
+    # Found by the OpInfo sweep: a vector @ batched matrix (bmm with one row), which Inductor
+    # lowers to a 16-bit multiply and a sum, and logspace, beyond the tolerances in 16 bits.
+    # In 16-bit graphs they are eager's kernels (Note [Eager's precision]).
+    torch.manual_seed(0)
+    v, m = torch.randn(10, dtype=dtype), torch.randn(5, 5, 10, 5, dtype=dtype)
+
+    def step():
+        p = v * 1 @ m
+        s = torch.logspace(-2, 10, 50, base=2.0, dtype=dtype) + 1
+        return p, s, p.sum().item()
+
+    ref = step()
+    with ae.enabled(**IND):
+        hot(step)
+        d = Delta()
+        got = step()
+        assert d.replays == 1 and not d.fallbacks  # the fused graph ran
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+
+
 def test_changing_float_is_lifted_not_recompiled():
     x = torch.randn(64)
     with ae.enabled(**IND):

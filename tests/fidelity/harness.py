@@ -159,8 +159,10 @@ def _sample_step(op, copied, grad_outs):
 
 
 def _host_read(used) -> None:
+    """End the step at a read of a tensor the engine manages (a 0-dim CPU tensor is a host
+    scalar, Note [Host scalars]: reading it would not end the step's segment)."""
     for t in used:
-        if t.layout == torch.strided and t.numel():
+        if t.layout == torch.strided and t.numel() and (t.dim() or t.device.type != "cpu"):
             t.reshape(-1)[0].item()
             return
     ae.synchronize()
