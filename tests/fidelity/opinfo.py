@@ -229,18 +229,37 @@ def sweep(ops, devices, backends, dtypes, kinds, limit, log_path, resume, progre
 # ---------------------------------------------------------------------------- results
 
 
-def load(log_path) -> list[dict]:
-    """The log's sample records; where an op ran more than once, its last run's."""
+def load(log_paths: str) -> list[dict]:
+    """The sample records of the logs (a comma list: sweeps run side by side, one device
+    each); where an op ran more than once, its last finished run's."""
     runs: dict = {}
-    with open(log_path) as f:
-        for line in f:
-            rec = json.loads(line)
-            k = _key(rec["op"], rec["device"], rec["backend"], rec["dtype"], rec["kind"])
-            if rec.get("begin"):
-                runs[k] = []
-            elif "status" in rec:
-                runs.setdefault(k, []).append(rec)
+    for path in log_paths.split(","):
+        with open(path) as f:
+            for line in f:
+                rec = json.loads(line)
+                k = _key(rec["op"], rec["device"], rec["backend"], rec["dtype"], rec["kind"])
+                if rec.get("begin"):
+                    runs[k] = []
+                elif rec.get("stopped"):
+                    runs.pop(k, None)
+                elif "status" in rec:
+                    runs.setdefault(k, []).append(rec)
     return [rec for recs in runs.values() for rec in recs]
+
+
+def finished(log_paths: str) -> set:
+    """Keys of the ops the logs hold a finished run of."""
+    done = set()
+    for path in log_paths.split(","):
+        with open(path) as f:
+            for line in f:
+                rec = json.loads(line)
+                k = _key(rec["op"], rec["device"], rec["backend"], rec["dtype"], rec["kind"])
+                if rec.get("end") or "status" in rec:
+                    done.add(k)
+                elif rec.get("begin") or rec.get("stopped"):
+                    done.discard(k)
+    return done
 
 
 def summarize(records):
@@ -277,12 +296,13 @@ def summarize(records):
 
 
 def write_results(records, command: str, path=RESULTS, elapsed: float | None = None,
-                  partial: bool = False):
+                  partial: int = 0):
     table = summarize(records)
+    what = "Written from the sweep's logs by" if "--report" in command else "Command"
     lines = [
         "# OpInfo under the engine",
         "",
-        f"Date: {datetime.date.today().isoformat()}. torch {torch.__version__}. Command:",
+        f"Date: {datetime.date.today().isoformat()}. torch {torch.__version__}. {what}:",
         "",
         f"    {command}",
         "",
@@ -290,8 +310,9 @@ def write_results(records, command: str, path=RESULTS, elapsed: float | None = N
     if elapsed is not None:
         lines += [f"Wall time of the sweep: {elapsed / 60:.0f} min.", ""]
     if partial:
-        lines += ["**Partial**: the sweep had not finished when this was written; the rows are "
-                  "what its log held (it resumes with `--resume`).", ""]
+        lines += [f"**Partial**: {partial} of the planned op runs (op x device x backend x "
+                  "dtype x kind) had not run when this was written; the rows are what the "
+                  "logs held (the sweep resumes with `--resume`).", ""]
     lines += [
         "Each sample runs inside a recurring step driven hot (tests/fidelity/harness.py): "
         "inputs produced by a deferred op, the result consumed by one, the step ending at a "
@@ -405,7 +426,8 @@ def main(argv=None):
     p.add_argument("--dtypes", default="float32,bfloat16,float16")
     p.add_argument("--kinds", default=",".join(KINDS))
     p.add_argument("--samples", type=int, default=None, help="samples per op (default: all)")
-    p.add_argument("--log", default=os.path.join(HERE, "sweep.jsonl"))
+    p.add_argument("--log", default=os.path.join(HERE, "sweep.jsonl"),
+                   help="the JSON-lines log; with --report, a comma list of logs")
     p.add_argument("--resume", action="store_true", help="skip what --log already holds")
     p.add_argument("--report", action="store_true",
                    help="run nothing: write the summary of what --log holds so far")
@@ -433,10 +455,13 @@ def main(argv=None):
             p.error(f"--{name}: {bad} not accepted; accepted: {', '.join(accepted)}")
     start = time.time()
     if a.report:
+        done = finished(a.log)
+        missing = sum(_key(op_id(op), *rest) not in done for op, *rest in plan(
+            ops, lists["devices"], lists["backends"], lists["dtypes"], lists["kinds"]))
         write_results(load(a.log), "python -m tests.fidelity.opinfo " + " ".join(
-            x for x in (argv if argv is not None else sys.argv[1:]) if x != "--report"),
-            a.results or RESULTS, partial=True)
-        print(f"wrote {a.results or RESULTS}")
+            argv if argv is not None else sys.argv[1:]), a.results or RESULTS, partial=missing)
+        print(f"wrote {a.results or RESULTS}" + (f" ({missing} op runs missing)" if missing
+                                                 else ""))
         return 0
     if a.child:
         signal.signal(signal.SIGTERM, _raise_stop)

@@ -179,3 +179,20 @@ def test_batched_samples_are_judged_as_alone():
                  for s in ss]
         assert batched == alone, name
         assert {"identical", "host"} <= set(batched) or "fallback" in batched, (name, batched)
+
+
+def test_log_of_a_stopped_sweep(tmp_path):
+    # Note [Stopping a sweep]: an op stopped on purpose is run again on --resume, and its
+    # partial records are not counted; a finished op is counted once, its last run's
+    key = dict(device="cpu", backend="exact", dtype="float32", kind="forward")
+    rec = dict(key, status="identical", reasons=[], detail="", device_diff=None)
+    lines = [dict(key, begin=True, op="a"), dict(rec, op="a", sample=0),
+             dict(key, end=True, op="a"), dict(key, begin=True, op="b"),
+             dict(rec, op="b", sample=0),
+             dict(key, stopped=True, op="b"),
+             dict(key, begin=True, op="a"), dict(rec, op="a", sample=0),
+             dict(rec, op="a", sample=1), dict(key, end=True, op="a")]
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert [(r["op"], r["sample"]) for r in opinfo.load(str(log))] == [("a", 0), ("a", 1)]
+    assert opinfo.finished(str(log)) == {opinfo._key("a", "cpu", "exact", "float32", "forward")}
