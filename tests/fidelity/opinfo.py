@@ -145,6 +145,31 @@ def run_op(op, device, backend, dtype_name, kind, limit, log) -> list[dict]:
     return records
 
 
+def _device_check(rec) -> str | None:
+    """For an op that took the sweep's process down: does plain eager on its device differ
+    from cpu on any of its samples (then the device is at fault, and the engine cannot be
+    judged on the op)? Checked in a process of its own, which the device may take down too."""
+    if rec["device"] == "cpu" or rec["kind"] not in ("forward", "grad"):
+        return None
+    cmd = [sys.executable, "-m", "tests.fidelity.opinfo", "--device-check", "--ops", rec["op"],
+           "--devices", rec["device"], "--dtypes", rec["dtype"], "--kinds", rec["kind"]]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        return f"plain eager on {rec['device']} takes the process down too (exit {r.returncode})"
+    diffs = [d for d in json.loads(r.stdout.strip().splitlines()[-1]) if d]
+    return diffs[0] if diffs else None
+
+
+def device_check(op, device, dtype_name, kind, limit) -> list:
+    """Per sample: what plain eager on ``device`` does otherwise than on cpu (None: same)."""
+    dtype, grad = DTYPES[dtype_name], kind == "grad"
+    if device == "neuron":
+        import adaptive_eager.neuron  # noqa: F401 -- registers the device
+    pairs = zip(samples(op, device, dtype, grad, limit), samples(op, "cpu", dtype, grad, limit))
+    return [harness.device_differs(harness.Case(op, dtype, device, [s], grad=grad), [c])
+            for s, c in pairs]
+
+
 def plan(ops, devices, backends, dtypes, kinds):
     """(op, device, backend, dtype, kind) in the order the sweep runs them."""
     for backend in backends:  # exact everywhere first: it is the fast, bitwise half
@@ -198,9 +223,13 @@ def sweep(ops, devices, backends, dtypes, kinds, limit, log_path, resume, progre
         # an op that began in an earlier process and never finished took the process down
         for k, rec in started.items():
             if k not in done:
-                _record(log, **{**rec, "begin": False}, sample=0, status="crash", reasons=[],
-                        detail="the sweep process died while running this op",
-                        device_diff=None)
+                diff = _device_check(rec)
+                status, detail = (("device-bug", "the sweep process died while running this "
+                                   f"op; plain eager on {rec['device']} differs from cpu "
+                                   f"({diff})") if diff else
+                                  ("crash", "the sweep process died while running this op"))
+                _record(log, **{**rec, "begin": False}, sample=0, status=status, reasons=[],
+                        detail=detail[:400], device_diff=diff)
                 done.add(k)
         for n, (op, device, backend, dtype, kind) in enumerate(items):
             k = _key(op_id(op), device, backend, dtype, kind)
@@ -432,6 +461,7 @@ def main(argv=None):
     p.add_argument("--report", action="store_true",
                    help="run nothing: write the summary of what --log holds so far")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--device-check", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--results", default=None,
                    help="write the summary here (default with --full: RESULTS.md)")
     a = p.parse_args(argv)
@@ -454,6 +484,11 @@ def main(argv=None):
         if bad:
             p.error(f"--{name}: {bad} not accepted; accepted: {', '.join(accepted)}")
     start = time.time()
+    if a.device_check:  # one op, device, dtype and kind (_device_check)
+        op = next(op for op in ops if op_id(op) == a.ops)
+        print(json.dumps(device_check(op, lists["devices"][0], lists["dtypes"][0],
+                                      lists["kinds"][0], a.samples)))
+        return 0
     if a.report:
         done = finished(a.log)
         missing = sum(_key(op_id(op), *rest) not in done for op, *rest in plan(
