@@ -201,6 +201,9 @@ def trace(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values: tuple
 
         def call(n, spec, args, kwargs):
             func, args, kwargs = on_compute(spec, args, kwargs, device_map, kernels)
+            if spec.func in MEAN_OF_EMPTY and args[0].numel() == 0:
+                raise InductorDiffers(f"{spec.func} of an empty tensor: Inductor's mean is 0 "
+                                      "where eager's is nan")
             if n in the_plan.lifted_ops:
                 res = lift_call(func, args, kwargs)
             else:
@@ -280,8 +283,21 @@ def _(a, b):
 OPAQUE_16BIT = {aten.bmm.default: torch.ops.adaptive_eager.eager_bmm.default}
 
 
-class PrecisionUnsafe(RuntimeError):
+class InductorDiffers(RuntimeError):
+    """Inductor would compute the graph otherwise than eager: it is not fused, and its path
+    replays exactly (counted: "no fused graph (its compile failed)", this reason logged)."""
+
+
+class PrecisionUnsafe(InductorDiffers):
     """The graph cannot be fused with eager's 16-bit rounding (Note [Eager's precision])."""
+
+
+# Found by the OpInfo sweep: Inductor's Welford reduction gives the mean of an empty tensor
+# as 0 (``torch.compile`` does the same), where eager's is nan. A graph holding one is not
+# fused.
+MEAN_OF_EMPTY = frozenset(getattr(getattr(aten, op), overload)
+                          for op in ("var_mean", "std_mean")
+                          for overload in ("default", "dim", "correction"))
 
 
 def _keep_whole_in_inductor() -> None:

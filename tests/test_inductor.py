@@ -112,6 +112,24 @@ def test_low_precision_products_stay_eager(dtype):
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
 
 
+def test_mean_of_empty_is_nan():
+    # Found by the OpInfo sweep: Inductor's var_mean gives an empty tensor's mean as 0, where
+    # eager's is nan. Such a graph is not fused (counted) and replays eager's kernels.
+    x = torch.randn(0, 5)
+
+    def step():
+        v, m = torch.var_mean(x * 1)
+        return v, m, (x.sum(0) + 1).sum().item()
+
+    ref = step()
+    with ae.enabled(**IND):
+        hot(step)
+        d = Delta()
+        got = step()
+        assert d.fallbacks.get("no fused graph (its compile failed): replayed exactly") == 1
+    assert got[1].isnan() and ref[1].isnan() and got[0].isnan()
+
+
 def test_changing_float_is_lifted_not_recompiled():
     x = torch.randn(64)
     with ae.enabled(**IND):
