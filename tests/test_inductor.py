@@ -112,6 +112,28 @@ def test_low_precision_products_stay_eager(dtype):
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
 
 
+def test_low_precision_weighted_nll_loss_stays_eager():
+    # Found by the OpInfo sweep: nll_loss's weighted mean, decomposed, was 2-3 fp16 ulps off
+    # eager's (which sums in float32 and rounds once). It stays eager's kernel in 16 bits.
+    torch.manual_seed(6)
+    z = torch.randn(16, 4, 2, 3, dtype=torch.float16) * 3
+    t = torch.randint(0, 4, (16, 2, 3))
+    w = torch.rand(4, dtype=torch.float16) + 0.5
+
+    def step():
+        loss = F.nll_loss(torch.log_softmax(z * 1, 1), t, weight=w, ignore_index=1)
+        flat = F.nll_loss(torch.log_softmax(z[:, :, 0, 0] * 1, 1), t[:, 0, 0], weight=w)
+        return loss, flat, loss.item()
+
+    ref = step()
+    with ae.enabled(**IND):
+        hot(step)
+        d = Delta()
+        got = step()
+        assert d.replays == 1 and not d.fallbacks  # the fused graph ran
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+
+
 def test_mean_of_empty_is_nan():
     # Found by the OpInfo sweep: Inductor's var_mean gives an empty tensor's mean as 0, where
     # eager's is nan. Such a graph is not fused (counted) and replays eager's kernels.

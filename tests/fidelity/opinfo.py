@@ -345,7 +345,10 @@ def write_results(records, command: str, path=RESULTS, elapsed: float | None = N
     lines += [
         "Each sample runs inside a recurring step driven hot (tests/fidelity/harness.py): "
         "inputs produced by a deferred op, the result consumed by one, the step ending at a "
-        "host read. *identical*: every run equals eager (exact: bitwise; inductor: the "
+        "host read. An op's samples run together in one step (with inductor, one graph), "
+        "each judged from the engine's counters around its ops, and alone where those cannot "
+        "tell or where it differs from eager. *identical*: every run equals eager (exact: "
+        "bitwise; inductor: the "
         "OpInfo's tolerances) and the last run was deferred and replayed with no fallback. "
         "*fallback*: equal to eager, but the engine took a counted fallback or boundary "
         "(reasons below). *host*: 0-dim cpu tensors, run on the host by design. *no op*: the "
