@@ -59,6 +59,9 @@ class Case:
     samples: list  # SampleInputs on ``device``
     grad: bool = False
     autocast: torch.dtype | None = None  # run under torch.autocast(device, this dtype)
+    # the same samples on cpu, for a device other than cpu: a sample the engine gets wrong is
+    # first checked against plain eager there (device_differs) before it is diagnosed
+    cpu_samples: list | None = None
 
 
 @dataclasses.dataclass
@@ -70,6 +73,7 @@ class Outcome:
     status: str
     reasons: tuple = ()  # the fallback / boundary reasons the engine counted in the last run
     detail: str = ""
+    device_diff: str | None = None  # what plain eager on the device does otherwise than cpu
 
     @property
     def failed(self) -> bool:
@@ -230,10 +234,16 @@ def run_case(case: Case, backend: str) -> list[Outcome]:
     """
     out = _run(case, backend)
     if len(case.samples) == 1:
-        return [o if o is not None else Outcome("crash", detail="unattributed") for o in out]
-    return [o if o is not None and o.status not in ("mismatch", "crash")
-            else _run(dataclasses.replace(case, samples=[s]), backend)[0]
-            for s, o in zip(case.samples, out)]
+        return [out[0] or Outcome("crash", detail="unattributed")]
+    return [o if o is not None and not o.failed else _alone(case, k, backend)
+            for k, o in enumerate(out)]
+
+
+def _alone(case: Case, k: int, backend: str) -> Outcome:
+    """Sample ``k`` of ``case`` run and judged by itself."""
+    cpu = None if case.cpu_samples is None else [case.cpu_samples[k]]
+    one = dataclasses.replace(case, samples=[case.samples[k]], cpu_samples=cpu)
+    return _run(one, backend)[0] or Outcome("crash", detail="unattributed")
 
 
 def _run(case: Case, backend: str) -> list[Outcome]:
@@ -306,6 +316,13 @@ def _diagnose(case, backend, runs, reference, k, mismatch) -> Outcome:
     engine equals eager-under-a-pass-through-mode, not as an engine failure. Eager that
     differs from itself (``eager-nondeterministic``) is compared within tolerance.
     """
+    if case.cpu_samples is not None:
+        # plain eager on the device already differs from cpu: the engine cannot be judged
+        # (and the device's eager is slow to diagnose)
+        diff = device_differs(case, case.cpu_samples)
+        if diff:
+            return Outcome("device-bug", detail=f"plain eager on {case.device} differs from "
+                           f"cpu ({diff})", device_diff=diff)
     exact = backend == "exact"
     rtol, atol = tolerance(case.op, case.dtype)
     schedule = [on for on, _ in runs]
@@ -361,10 +378,7 @@ def _compare_sample(got, want, exact, rtol, atol, case) -> None:
 
 
 def _split(case, backend):
-    out = []
-    for s in case.samples:
-        out += _run(dataclasses.replace(case, samples=[s]), backend)
-    return out
+    return [_alone(case, k, backend) for k in range(len(case.samples))]
 
 
 def _classify(before, after) -> Outcome:

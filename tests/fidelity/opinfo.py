@@ -119,19 +119,24 @@ def run_op(op, device, backend, dtype_name, kind, limit, log) -> list[dict]:
         return records
     if not ss:
         return records
+    cpu = (samples(op, "cpu", dtype, grad, limit)
+           if device != "cpu" and kind in ("forward", "grad") else None)
     case = harness.Case(op, dtype if kind != "autocast" else torch.float32, device, ss,
-                        grad=grad, autocast=dtype if kind == "autocast" else None)
+                        grad=grad, autocast=dtype if kind == "autocast" else None,
+                        cpu_samples=cpu)
     try:
         outcomes = harness.run_case(case, backend)
     except Exception as e:  # noqa: BLE001 -- the harness itself failed: a failure to look at
         outcomes = [harness.Outcome("crash", detail=f"harness: {e!r}"[:400])] * len(ss)
     diffs = [None] * len(ss)
-    if device != "cpu" and kind in ("forward", "grad"):
+    if cpu is not None:
         # the device column: every forward sample in the exact half (plain eager on the
         # device does not depend on the engine's backend); elsewhere where the engine failed
-        cpu = samples(op, "cpu", dtype, grad, limit)
+        # (run_case checks those first)
         for i, (s, c) in enumerate(zip(ss, cpu)):
-            if (kind == "forward" and backend == "exact") or outcomes[i].failed:
+            if outcomes[i].device_diff:
+                diffs[i] = outcomes[i].device_diff
+            elif (kind == "forward" and backend == "exact") or outcomes[i].failed:
                 diffs[i] = harness.device_differs(
                     harness.Case(op, dtype, device, [s], grad=grad), [c])
     for i, outcome in enumerate(outcomes):
