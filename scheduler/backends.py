@@ -241,12 +241,14 @@ def trace(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values: tuple
 # tolerances (tests/fidelity/RESULTS.md: log_softmax by a bf16 ulp where the value is small,
 # mse_loss by two fp16 ulps, addr and cross by a bf16 ulp, floor_divide by 1 where the
 # quotient is near an integer, linspace by a bf16 ulp, logspace by its base's power of a
-# rounded exponent, the weighted mean of nll_loss by two fp16 ulps, layer_norm and its
-# backward on a row with no variance (where 1/sqrt(eps) scales the rounding of its mean), and
-# the matrix products, which Inductor turns into a 16-bit multiply and a sum when a dimension
-# is small, where eager accumulates in float32 and rounds once). In graphs with 16-bit values
-# they are not decomposed: the fused graph calls eager's kernel for them (Inductor's fallback
-# for an op it has no lowering for), bitwise eager's, and fuses around them.
+# rounded exponent, the weighted mean of nll_loss by two fp16 ulps, soft_margin_loss (which
+# eager overflows to inf in fp16, and the decomposition does not), linear interpolation by a
+# bf16 ulp, layer_norm and its backward on a row with no variance (where 1/sqrt(eps) scales
+# the rounding of its mean), and the matrix products, which Inductor turns into a 16-bit
+# multiply and a sum when a dimension is small, where eager accumulates in float32 and rounds
+# once). In graphs with 16-bit values they are not decomposed: the fused graph calls eager's
+# kernel for them (Inductor's fallback for an op it has no lowering for), bitwise eager's,
+# and fuses around them.
 KEPT_WHOLE = frozenset({
     aten._softmax.default, aten._log_softmax.default, aten._softmax_backward_data.default,
     aten._log_softmax_backward_data.default, aten.mse_loss.default,
@@ -257,7 +259,8 @@ KEPT_WHOLE = frozenset({
     aten.mm.default, aten.bmm.default, aten.addmm.default, aten.mv.default, aten.addmv.default,
     aten.dot.default, aten.vdot.default, aten.nll_loss_forward.default,
     aten.nll_loss2d_forward.default, aten.native_layer_norm.default,
-    aten.native_layer_norm_backward.default,
+    aten.native_layer_norm_backward.default, aten.soft_margin_loss.default,
+    aten.upsample_linear1d.default, aten.upsample_linear1d.vec,
 })
 # Ops Inductor lowers itself (no decomposition to leave out) whose 16-bit results differ from
 # eager's beyond the tolerances: a 16-bit graph holding one is not compiled, and its path

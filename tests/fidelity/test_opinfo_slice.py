@@ -212,3 +212,19 @@ def test_an_op_that_took_the_sweep_down_is_checked_on_the_device():
     assert "_efficientzerotensor" in diff or "takes the process down too" in diff, diff
     assert opinfo._device_check(dict(rec, device="cpu")) is None
     assert opinfo._device_check(dict(rec, op="add")) is None
+
+
+@pytest.mark.parametrize("name,dtype,index", [
+    ("nn.functional.interpolate.linear", torch.bfloat16, 2),
+    ("nn.functional.soft_margin_loss", torch.float16, 1),
+])
+def test_inductor_16bit_findings(name, dtype, index):
+    # Samples the sweep found beyond the OpInfo's tolerances under the fused backend in 16
+    # bits (linear interpolation by a bf16 ulp; soft_margin_loss, which eager overflows to
+    # inf in fp16): the ops stay eager's kernels there (Note [Eager's precision])
+    from . import harness
+
+    op = next(op for op in opinfo.op_db() if opinfo.op_id(op) == name)
+    sample = opinfo.samples(op, "cpu", dtype, False, None)[index]
+    (outcome,) = harness.run_case(harness.Case(op, dtype, "cpu", [sample]), "inductor")
+    assert outcome.status == "identical", (outcome.status, outcome.detail)
