@@ -215,6 +215,7 @@ def trace(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values: tuple
 
     fake_mode = FakeTensorMode()
     decompositions = select_decomp_table()
+    kernels = {**OPAQUE, **(kernels or {})}
     if _low_precision(specs, ext_metas):  # Note [Eager's precision]
         decompositions = {k: v for k, v in decompositions.items() if k not in KEPT_WHOLE}
         kernels = {**OPAQUE_16BIT, **(kernels or {})}
@@ -287,6 +288,27 @@ def _(a, b):
 
 
 OPAQUE_16BIT = {aten.bmm.default: torch.ops.adaptive_eager.eager_bmm.default}
+
+
+# Found by the OpInfo sweep: Inductor's lowering of fractional_max_pool3d places some pooling
+# windows otherwise than eager (an output size from ``output_ratio``: values off by 2.1, in
+# every dtype). Every fused graph calls eager's kernel for it, through an opaque op of ours.
+@torch.library.custom_op("adaptive_eager::eager_fractional_max_pool3d", mutates_args=())
+def _eager_fractional_max_pool3d(x: torch.Tensor, kernel_size: list[int],
+                                 output_size: list[int],
+                                 random_samples: torch.Tensor) -> tuple[torch.Tensor,
+                                                                        torch.Tensor]:
+    return aten.fractional_max_pool3d.default(x, kernel_size, output_size, random_samples)
+
+
+@_eager_fractional_max_pool3d.register_fake
+def _(x, kernel_size, output_size, random_samples):
+    shape = (*x.shape[:-3], *output_size)
+    return x.new_empty(shape), x.new_empty(shape, dtype=torch.int64)
+
+
+OPAQUE = {aten.fractional_max_pool3d.default:
+          torch.ops.adaptive_eager.eager_fractional_max_pool3d.default}
 
 
 class InductorDiffers(RuntimeError):

@@ -217,11 +217,13 @@ def test_an_op_that_took_the_sweep_down_is_checked_on_the_device():
 @pytest.mark.parametrize("name,dtype,index", [
     ("nn.functional.interpolate.linear", torch.bfloat16, 2),
     ("nn.functional.soft_margin_loss", torch.float16, 1),
+    ("nn.functional.fractional_max_pool3d", torch.float32, 26),
 ])
-def test_inductor_16bit_findings(name, dtype, index):
-    # Samples the sweep found beyond the OpInfo's tolerances under the fused backend in 16
-    # bits (linear interpolation by a bf16 ulp; soft_margin_loss, which eager overflows to
-    # inf in fp16): the ops stay eager's kernels there (Note [Eager's precision])
+def test_inductor_findings(name, dtype, index):
+    # Samples the sweep found beyond the OpInfo's tolerances under the fused backend: in 16
+    # bits linear interpolation (a bf16 ulp) and soft_margin_loss (which eager overflows to
+    # inf in fp16) stay eager's kernels (Note [Eager's precision]); fractional_max_pool3d,
+    # whose windows Inductor placed otherwise in every dtype, is eager's kernel in any graph
     from . import harness
 
     op = next(op for op in opinfo.op_db() if opinfo.op_id(op) == name)
