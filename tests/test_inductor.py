@@ -29,6 +29,17 @@ def hot(fn, runs=3):
     fn()  # installs the delivered graph at its first boundary
 
 
+def fused_and_eager(step):
+    """``step``'s eager result, then its result replayed by a delivered fused graph, with the
+    engine's counters of that replay."""
+    ref = step()
+    with ae.enabled(**IND):
+        hot(step)
+        d = Delta()
+        got = step()
+    return ref, got, d
+
+
 def test_fused_replay_values_and_counts():
     x = torch.randn(64)
     ref = chain(x).sum().item()
@@ -103,12 +114,8 @@ def test_low_precision_products_stay_eager(dtype):
         s = torch.logspace(-2, 10, 50, base=2.0, dtype=dtype) + 1
         return p, s, p.sum().item()
 
-    ref = step()
-    with ae.enabled(**IND):
-        hot(step)
-        d = Delta()
-        got = step()
-        assert d.replays == 1 and not d.fallbacks  # the fused graph ran
+    ref, got, d = fused_and_eager(step)
+    assert d.replays == 1 and not d.fallbacks  # the fused graph ran
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
 
 
@@ -125,12 +132,8 @@ def test_low_precision_weighted_nll_loss_stays_eager():
         flat = F.nll_loss(torch.log_softmax(z[:, :, 0, 0] * 1, 1), t[:, 0, 0], weight=w)
         return loss, flat, loss.item()
 
-    ref = step()
-    with ae.enabled(**IND):
-        hot(step)
-        d = Delta()
-        got = step()
-        assert d.replays == 1 and not d.fallbacks  # the fused graph ran
+    ref, got, d = fused_and_eager(step)
+    assert d.replays == 1 and not d.fallbacks  # the fused graph ran
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
 
 
@@ -148,12 +151,8 @@ def test_low_precision_layer_norm_of_a_constant_row_stays_eager(dtype):
         (gw,) = torch.autograd.grad(y, w, torch.ones_like(y))
         return y, gw, gw.sum().item()
 
-    ref = step()
-    with ae.enabled(**IND):
-        hot(step)
-        d = Delta()
-        got = step()
-        assert d.replays >= 1 and not d.fallbacks  # the fused graph ran
+    ref, got, d = fused_and_eager(step)
+    assert d.replays >= 1 and not d.fallbacks  # the fused graph ran
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
 
 
