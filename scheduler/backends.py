@@ -28,6 +28,7 @@ import time
 
 import torch
 
+from . import precision
 from .program import Ext, Meta, interpret, meta_on, on_compute, straight_line
 from .scalars import Lifted, lift_call, liftable
 
@@ -201,7 +202,7 @@ def trace(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values: tuple
 
         def call(n, spec, args, kwargs):
             func, args, kwargs = on_compute(spec, args, kwargs, device_map, kernels)
-            if spec.func in MEAN_OF_EMPTY and args[0].numel() == 0:
+            if spec.func in precision.MEAN_OF_EMPTY and args[0].numel() == 0:
                 raise InductorDiffers(f"{spec.func} of an empty tensor: Inductor's mean is 0 "
                                       "where eager's is nan")
             if n in the_plan.lifted_ops:
@@ -214,12 +215,10 @@ def trace(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values: tuple
         return ()
 
     fake_mode = FakeTensorMode()
-    decompositions = select_decomp_table()
-    kernels = {**OPAQUE, **(kernels or {})}
-    if _low_precision(specs, ext_metas):  # Note [Eager's precision]
-        decompositions = {k: v for k, v in decompositions.items() if k not in KEPT_WHOLE}
-        kernels = {**OPAQUE_16BIT, **(kernels or {})}
-        unsafe = sorted({str(s.func) for s in specs if s.func in NOT_FUSED_16BIT})
+    low = precision.low_precision(specs, ext_metas)  # Note [Eager's precision]
+    kernels = precision.eager_kernels(low, kernels)
+    if low:
+        unsafe = sorted({str(s.func) for s in specs if s.func in precision.NOT_FUSED_16BIT})
         if unsafe:
             raise PrecisionUnsafe(f"16-bit {', '.join(unsafe)}: Inductor rounds it otherwise "
                                   "than eager")
@@ -230,85 +229,10 @@ def trace(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values: tuple
         inputs += [_fake_like(m) for m in live_metas.values()]
     gm = make_fx(
         torch.func.functionalize(program, remove="mutations"),
-        decomposition_table=decompositions,
+        decomposition_table=select_decomp_table(),
         tracing_mode="fake",
     )(*inputs)
     return gm, inputs, fake_mode
-
-
-# Note [Eager's precision], continued: some ops eager runs as one CPU kernel that computes in
-# float32 and rounds once, where Inductor's decomposition computes the same in another order
-# and rounds differently; in bfloat16 and float16 that was found beyond the OpInfo's
-# tolerances (tests/fidelity/RESULTS.md: log_softmax by a bf16 ulp where the value is small,
-# mse_loss by two fp16 ulps, addr and cross by a bf16 ulp, floor_divide by 1 where the
-# quotient is near an integer, linspace by a bf16 ulp, logspace by its base's power of a
-# rounded exponent, the weighted mean of nll_loss by two fp16 ulps, soft_margin_loss (which
-# eager overflows to inf in fp16, and the decomposition does not), linear interpolation by a
-# bf16 ulp, layer_norm and its backward on a row with no variance (where 1/sqrt(eps) scales
-# the rounding of its mean), and the matrix products, which Inductor turns into a 16-bit
-# multiply and a sum when a dimension is small, where eager accumulates in float32 and rounds
-# once). In graphs with 16-bit values they are not decomposed: the fused graph calls eager's
-# kernel for them (Inductor's fallback for an op it has no lowering for), bitwise eager's,
-# and fuses around them.
-KEPT_WHOLE = frozenset({
-    aten._softmax.default, aten._log_softmax.default, aten._softmax_backward_data.default,
-    aten._log_softmax_backward_data.default, aten.mse_loss.default,
-    aten.mse_loss_backward.default, aten.addr.default, aten.linalg_cross.default,
-    aten.floor_divide.default, aten.linspace.default, aten.linspace.Tensor_Tensor,
-    aten.linspace.Tensor_Scalar, aten.linspace.Scalar_Tensor, aten.logspace.default,
-    aten.logspace.Tensor_Tensor, aten.logspace.Tensor_Scalar, aten.logspace.Scalar_Tensor,
-    aten.mm.default, aten.bmm.default, aten.addmm.default, aten.mv.default, aten.addmv.default,
-    aten.dot.default, aten.vdot.default, aten.nll_loss_forward.default,
-    aten.nll_loss2d_forward.default, aten.native_layer_norm.default,
-    aten.native_layer_norm_backward.default, aten.soft_margin_loss.default,
-    aten.upsample_linear1d.default, aten.upsample_linear1d.vec,
-})
-# Ops Inductor lowers itself (no decomposition to leave out) whose 16-bit results differ from
-# eager's beyond the tolerances: a 16-bit graph holding one is not compiled, and its path
-# replays exactly (counted: "no fused graph (its compile failed)", with this reason logged).
-NOT_FUSED_16BIT = frozenset({aten.div.Tensor_mode, aten.div.Scalar_mode})
-
-
-_LOW = (torch.bfloat16, torch.float16)
-
-
-# Ops whose Inductor *lowering* (not a decomposition) computes otherwise than eager in 16
-# bits: ``bmm`` with a row or column of size 1 becomes a 16-bit multiply and a sum. In 16-bit
-# graphs they are called through an opaque op of ours that runs eager's kernel, which Inductor
-# cannot look into (Note [Eager's precision]). Registered at import: a compiled graph calls it
-# in every process that loads the graph.
-@torch.library.custom_op("adaptive_eager::eager_bmm", mutates_args=())
-def _eager_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return aten.bmm.default(a, b)
-
-
-@_eager_bmm.register_fake
-def _(a, b):
-    return a.new_empty((a.shape[0], a.shape[1], b.shape[2]))
-
-
-OPAQUE_16BIT = {aten.bmm.default: torch.ops.adaptive_eager.eager_bmm.default}
-
-
-# Found by the OpInfo sweep: Inductor's lowering of fractional_max_pool3d places some pooling
-# windows otherwise than eager (an output size from ``output_ratio``: values off by 2.1, in
-# every dtype). Every fused graph calls eager's kernel for it, through an opaque op of ours.
-@torch.library.custom_op("adaptive_eager::eager_fractional_max_pool3d", mutates_args=())
-def _eager_fractional_max_pool3d(x: torch.Tensor, kernel_size: list[int],
-                                 output_size: list[int],
-                                 random_samples: torch.Tensor) -> tuple[torch.Tensor,
-                                                                        torch.Tensor]:
-    return aten.fractional_max_pool3d.default(x, kernel_size, output_size, random_samples)
-
-
-@_eager_fractional_max_pool3d.register_fake
-def _(x, kernel_size, output_size, random_samples):
-    shape = (*x.shape[:-3], *output_size)
-    return x.new_empty(shape), x.new_empty(shape, dtype=torch.int64)
-
-
-OPAQUE = {aten.fractional_max_pool3d.default:
-          torch.ops.adaptive_eager.eager_fractional_max_pool3d.default}
 
 
 class InductorDiffers(RuntimeError):
@@ -318,31 +242,6 @@ class InductorDiffers(RuntimeError):
 
 class PrecisionUnsafe(InductorDiffers):
     """The graph cannot be fused with eager's 16-bit rounding (Note [Eager's precision])."""
-
-
-# Found by the OpInfo sweep: Inductor's Welford reduction gives the mean of an empty tensor
-# as 0 (``torch.compile`` does the same), where eager's is nan. A graph holding one is not
-# fused.
-MEAN_OF_EMPTY = frozenset(getattr(getattr(aten, op), overload)
-                          for op in ("var_mean", "std_mean")
-                          for overload in ("default", "dim", "correction"))
-
-
-def _keep_whole_in_inductor() -> None:
-    """Inductor calls eager's kernel for the KEPT_WHOLE ops (once per process). It refuses
-    an implicit fallback for an op it also has a decomposition for; this says it is meant.
-    Graphs that decompose them (no 16-bit values) never reach these lowerings."""
-    from torch._inductor import lowering
-
-    for op in KEPT_WHOLE:
-        if op not in lowering.lowerings:
-            lowering.make_fallback(op, warn=False, override_decomp=True)
-
-
-def _low_precision(specs, ext_metas) -> bool:
-    """Does the program hold a 16-bit floating value (an input, or an op's result)?"""
-    return (any(m.dtype in _LOW for m in ext_metas)
-            or any(o.meta is not None and o.meta.dtype in _LOW for s in specs for o in s.outs))
 
 
 def _as_recorded(spec, res, device_map=None):
@@ -373,12 +272,12 @@ def _inductor_compile(specs, ext_metas, live_metas, the_plan, spec_values, devic
     from torch._inductor.compile_fx import compile_fx_inner
 
     start = time.perf_counter()
-    _keep_whole_in_inductor()
     # Note [Eager's precision]: Inductor computes fused bf16/fp16 pointwise chains in float32
     # and rounds once, at the store; eager rounds every op's result to its dtype. That is a
     # precision eager does not have (a 16-op bf16 chain: 0.09 apart). With
     # emulate_precision_casts Inductor rounds each intermediate as eager does (the fused
-    # chain is then bitwise eager's); float32 code is unchanged.
+    # chain is then bitwise eager's); float32 code is unchanged. The ops for which that is
+    # not enough stay eager's kernels in the graph (scheduler.precision).
     with inductor_config.patch(fallback_random=True, emulate_precision_casts=True):
         gm, inputs, fake_mode = trace(specs, ext_metas, live_metas, the_plan, spec_values,
                                       device_map, kernels)

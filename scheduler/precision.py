@@ -1,0 +1,148 @@
+"""Where Inductor would compute otherwise than eager: the ops a fused graph leaves to eager.
+
+Note [Eager's precision], continued (the codegen settings are in scheduler.backends): some ops
+eager runs as one CPU kernel that computes in float32 and rounds once, where Inductor's
+decomposition or lowering computes the same in another order and rounds differently. In
+bfloat16 and float16 the OpInfo sweep (tests/fidelity/RESULTS.md) found these beyond the
+OpInfo's tolerances: log_softmax by a bf16 ulp where the value is small, mse_loss by two fp16
+ulps, addr and cross by a bf16 ulp, floor_divide by 1 where the quotient is near an integer,
+linspace by a bf16 ulp, logspace by its base's power of a rounded exponent, the weighted mean
+of nll_loss by two fp16 ulps, soft_margin_loss (which eager overflows to inf in fp16, and the
+decomposition does not), linear interpolation by a bf16 ulp, layer_norm on a row with no
+variance (where 1/sqrt(eps) scales the rounding of its mean), batch_norm by a 16-bit ulp,
+binary_cross_entropy_with_logits by a few fp16 ulps, a transposed convolution in fp16 by
+0.05, and the matrix products, which Inductor turns into a
+16-bit multiply and a sum when a dimension is small, where eager accumulates in float32 and
+rounds once.
+
+In graphs holding a 16-bit value these ops are traced as an *opaque op of ours* with the same
+schema, whose kernel is eager's (``_eager_kernel``): Inductor cannot look into it (no decomposition,
+no lowering: it calls it as an extern kernel, bitwise eager's) and fuses around it. Leaving
+the op out of Inductor's decompositions is not enough: functionalization runs the C++ body of
+a ``CompositeExplicitAutograd`` op (binary_cross_entropy_with_logits) and hands its pieces to
+Inductor, and some ops (bmm, convolution) are lowered, not decomposed. An op that mutates
+(batch_norm's running statistics) becomes an op of ours that returns the new values, and
+copies into the mutated arguments. (Not the op's own functional variant: its fake kernel
+gives float32 running statistics where eager's are 16-bit, and the graph then reads 16-bit
+memory as float32.)
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+__all__ = ["EAGER_16BIT", "EAGER_ALWAYS", "NOT_FUSED_16BIT", "MEAN_OF_EMPTY", "eager_kernels",
+           "low_precision"]
+
+aten = torch.ops.aten
+_LOW = (torch.bfloat16, torch.float16)
+
+# Registered at import: a compiled graph calls these ops in every process that loads it (the
+# compile process and the user's).
+_LIB = torch.library.Library("adaptive_eager", "FRAGMENT")
+
+
+def _eager_kernel(op):
+    """What the trace calls for ``op``: an op ``adaptive_eager::eager_<name>`` with ``op``'s
+    schema, whose kernel is eager's. For an op that writes some of its arguments, our op
+    takes them read-only and returns their new values after ``op``'s own results; the trace
+    copies them back, which functionalization handles as any copy."""
+    schema = op._schema
+    base, overload = schema.name.split("::")[1], op._overloadname
+    name = "eager_" + base + ("" if overload == "default" else "_" + overload)
+    written = [i for i, a in enumerate(schema.arguments)
+               if a.alias_info is not None and a.alias_info.is_write]
+    text = str(schema)
+    signature = text[text.index("("):]
+    if written:
+        assert all(r.alias_info is None for r in schema.returns), op
+        args, returns = signature.split(" -> ")
+        returns = returns.strip("()")
+        extra = ", ".join(["Tensor"] * len(written))
+        signature = re.sub(r"\([a-z]!\)", "", args) + f" -> ({returns}, {extra})"
+    _LIB.define(name + signature)
+
+    def kernel(*args, **kwargs):
+        if not written:
+            return op(*args, **kwargs)
+        args = list(args)
+        for i in written:
+            args[i] = args[i].clone()
+        res = op(*args, **kwargs)
+        res = res if isinstance(res, tuple) else (res,)
+        return (*res, *(args[i] for i in written))
+
+    _LIB.impl(name, kernel, "CompositeExplicitAutograd")
+    # Traced with fake tensors, it is ``op`` on the fake tensors: the fake mode's answer for the
+    # device (a batch_norm's 16-bit statistics on cpu), not the Meta kernel's (float32 ones)
+    torch.library.register_fake(f"adaptive_eager::{name}", kernel, lib=_LIB)
+    ours = getattr(torch.ops.adaptive_eager, name).default
+    if not written:
+        return ours
+
+    def call(*args, **kwargs):
+        res = ours(*args, **kwargs)
+        for i, new in zip(written, res[len(res) - len(written):]):
+            args[i].copy_(new)
+        out = res[:len(res) - len(written)]
+        return out[0] if len(schema.returns) == 1 else tuple(out)
+
+    return call
+
+
+_OPS_16BIT = (
+    aten._softmax.default, aten._log_softmax.default, aten._softmax_backward_data.default,
+    aten._log_softmax_backward_data.default, aten.mse_loss.default,
+    aten.mse_loss_backward.default, aten.addr.default, aten.linalg_cross.default,
+    aten.floor_divide.default, aten.linspace.default, aten.linspace.Tensor_Tensor,
+    aten.linspace.Tensor_Scalar, aten.linspace.Scalar_Tensor, aten.logspace.default,
+    aten.logspace.Tensor_Tensor, aten.logspace.Tensor_Scalar, aten.logspace.Scalar_Tensor,
+    aten.mm.default, aten.bmm.default, aten.addmm.default, aten.mv.default, aten.addmv.default,
+    aten.dot.default, aten.vdot.default, aten.nll_loss_forward.default,
+    aten.nll_loss2d_forward.default, aten.native_layer_norm.default,
+    aten.native_layer_norm_backward.default, aten.soft_margin_loss.default,
+    aten.soft_margin_loss_backward.default, aten.upsample_linear1d.default,
+    aten.upsample_linear1d.vec, aten.binary_cross_entropy_with_logits.default,
+    aten.convolution.default, aten._native_batch_norm_legit.default,
+    aten._native_batch_norm_legit.no_stats, aten._batch_norm_with_update.default,
+    aten._native_batch_norm_legit_no_training.default, aten._batch_norm_no_update.default,
+    aten.native_batch_norm_backward.default, aten.batch_norm_backward.default,
+    aten.upsample_nearest1d_backward.default, aten.upsample_nearest2d_backward.default,
+    aten.upsample_nearest3d_backward.default, aten._upsample_nearest_exact1d_backward.default,
+    aten._upsample_nearest_exact2d_backward.default,
+    aten._upsample_nearest_exact3d_backward.default,
+)
+# In graphs holding a 16-bit value: op -> what the trace calls for it (eager's kernel)
+EAGER_16BIT = {op: _eager_kernel(op) for op in _OPS_16BIT}
+
+# Found by the OpInfo sweep: Inductor's lowering of fractional_max_pool3d places some pooling
+# windows otherwise than eager (an output size from ``output_ratio``: values off by 2.1, in
+# every dtype). Every fused graph calls eager's kernel for it.
+EAGER_ALWAYS = {aten.fractional_max_pool3d.default:
+                _eager_kernel(aten.fractional_max_pool3d.default)}
+
+# Ops whose 16-bit results Inductor computes otherwise than eager beyond the tolerances and
+# that cannot be left to eager's kernel inside a graph: a 16-bit graph holding one is not
+# compiled, and its path replays exactly (counted: "no fused graph (its compile failed)").
+NOT_FUSED_16BIT = frozenset({aten.div.Tensor_mode, aten.div.Scalar_mode})
+
+# Found by the OpInfo sweep: Inductor's Welford reduction gives the mean of an empty tensor
+# as 0 (``torch.compile`` does the same), where eager's is nan. A graph holding one is not
+# fused.
+MEAN_OF_EMPTY = frozenset(getattr(getattr(aten, op), overload)
+                          for op in ("var_mean", "std_mean")
+                          for overload in ("default", "dim", "correction"))
+
+
+def low_precision(specs, ext_metas) -> bool:
+    """Does the program hold a 16-bit floating value (an input, or an op's result)?"""
+    return (any(m.dtype in _LOW for m in ext_metas)
+            or any(o.meta is not None and o.meta.dtype in _LOW for s in specs for o in s.outs))
+
+
+def eager_kernels(low: bool, device_kernels=None) -> dict:
+    """op -> what a fused graph's trace calls for it: eager's kernels where Inductor would
+    differ (16-bit ones when ``low``), then the device's own kernels, which take precedence."""
+    return {**EAGER_ALWAYS, **(EAGER_16BIT if low else {}), **(device_kernels or {})}
