@@ -95,6 +95,12 @@ def _record(log, **fields):
     log.flush()
 
 
+# Samples run together in one step (one graph with inductor). An op's samples are split into
+# steps of at most this many: max_pool1d's 864 samples in one step made a graph Inductor took
+# 5-20 minutes and gigabytes to compile.
+CASE_SAMPLES = 64
+
+
 def run_op(op, device, backend, dtype_name, kind, limit, log) -> list[dict]:
     """Run one op for one combination; append its records to ``log`` and return them."""
     dtype = DTYPES.get(dtype_name)
@@ -121,13 +127,17 @@ def run_op(op, device, backend, dtype_name, kind, limit, log) -> list[dict]:
         return records
     cpu = (samples(op, "cpu", dtype, grad, limit)
            if device != "cpu" and kind in ("forward", "grad") else None)
-    case = harness.Case(op, dtype if kind != "autocast" else torch.float32, device, ss,
-                        grad=grad, autocast=dtype if kind == "autocast" else None,
-                        cpu_samples=cpu)
-    try:
-        outcomes = harness.run_case(case, backend)
-    except Exception as e:  # noqa: BLE001 -- the harness itself failed: a failure to look at
-        outcomes = [harness.Outcome("crash", detail=f"harness: {e!r}"[:400])] * len(ss)
+    outcomes = []
+    for at in range(0, len(ss), CASE_SAMPLES):
+        part = slice(at, at + CASE_SAMPLES)
+        case = harness.Case(op, dtype if kind != "autocast" else torch.float32, device,
+                            ss[part], grad=grad, autocast=dtype if kind == "autocast" else None,
+                            cpu_samples=None if cpu is None else cpu[part])
+        try:
+            outcomes += harness.run_case(case, backend)
+        except Exception as e:  # noqa: BLE001 -- the harness itself failed: a failure to look at
+            crash = harness.Outcome("crash", detail=f"harness: {e!r}"[:400])
+            outcomes += [crash] * len(case.samples)
     diffs = [None] * len(ss)
     if cpu is not None:
         # the device column: every forward sample in the exact half (plain eager on the
