@@ -56,9 +56,9 @@ def _tensor_split(self, indices, dim=0):
 # computes the values differently when it computes the vectors, so under the engine
 # ``svdvals``, ``matrix_norm(ord=2)``, ``cond`` and ``eigvalsh`` differed from plain eager
 # in the last bits (found by the OpInfo sweep). The replacements decide as ATen does, with
-# the engine's own mode left out of "any dispatch mode". Differences of the same origin
-# inside autograd's backward formulas (``prod``, ``median``, ``max`` with no dim,
-# ``masked_fill``) are not kernels that can be replaced: tests/fidelity/RESULTS.md lists them.
+# the engine's own mode left out of "any dispatch mode". Autograd's backward formulas that
+# branch the same way (``prod``, ``median``, ``max`` with no dim) are C++ nodes, not kernels:
+# formulas.py runs them as plain eager.
 
 # ATen's kTensorSubclassLike, less ``Batched`` (the legacy vmap's key, which no Python API
 # creates any more)

@@ -22,7 +22,7 @@ import threading
 
 import torch
 
-from . import composites
+from . import composites, formulas
 
 __all__ = ["install", "GUARDED"]
 
@@ -69,11 +69,13 @@ def count_reads(engine, on: bool) -> None:
                 originals[name] = getattr(torch.Tensor, name)
                 setattr(torch.Tensor, name, _count(engine, originals[name]))
             composites.install(True)
+            formulas.install(engine, True)
         elif _counting[0] == 0 and originals:
             for name, original in originals.items():
                 setattr(torch.Tensor, name, original)
             originals.clear()
             composites.install(False)
+            formulas.install(engine, False)
 
 
 def _count(engine, original):

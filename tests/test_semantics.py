@@ -441,3 +441,46 @@ def test_crosscheck_mismatch_raises_with_op_and_line(monkeypatch):
         monkeypatch.setattr(launch, "_run_exact", corrupt)
         with pytest.raises(launch.CrosscheckError, match=f"test_semantics.py:{line}"):
             f().item()
+
+
+@pytest.mark.parametrize("fn", ["prod", "prod_dim", "max", "median"])
+def test_backward_formulas_as_plain_eager(fn):
+    # Found by the OpInfo sweep: autograd's C++ formulas for prod (and max / median over all
+    # elements) take the path written for tensor subclasses whenever a dispatch mode is
+    # active, and differ from plain eager in the last bits (adaptive_eager/formulas.py).
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from adaptive_eager import formulas
+
+    class PassThrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    a = torch.rand(4, 6, dtype=torch.bfloat16) + 0.5
+    a[1, 2] = a[2, 3] = a.max() + 1  # max and median with ties
+    a[3, :3] = a.flatten().median()
+    call = {"prod": lambda x: x.prod(), "prod_dim": lambda x: torch.prod(x, 1),
+            "max": lambda x: x.max(), "median": lambda x: torch.median(x)}[fn]
+
+    def step():
+        x = a.clone().requires_grad_()
+        y = call(x * 1)
+        (g,) = torch.autograd.grad(y, x, -torch.ones_like(y))
+        g.sum().item()  # the step ends at a host read
+        return g
+
+    def same(a, b):  # bitwise: max's subclass path differs from eager in zeros' signs
+        return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+    ref = step()
+    with PassThrough():  # what any mode does to the formula: the difference is real
+        moded = step()
+    assert not same(moded, ref)
+    with ae.enabled(**CPU):
+        d = Delta()
+        got = [step() for _ in range(4)]
+        assert d.boundaries.get(formulas.REASON, 0) == 4
+        assert ae.stats().replays >= 2
+    assert all(same(g, ref) for g in got)
+    assert not formulas._ORIGINALS and torch.prod.__name__ == "prod"
