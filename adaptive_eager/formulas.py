@@ -77,7 +77,7 @@ def _plain_backward(engine, node) -> None:
         m = engine.mode()
         if m is None or _get_current_dispatch_mode_stack() != [m]:
             return None
-        if any(g is not None and torch._C._dispatch_keys(g).has(_PYTHON_KEY)
+        if any(g is None or torch._C._dispatch_keys(g).has(_PYTHON_KEY)
                for g in grad_outputs):
             return None  # a tensor subclass: ATen takes its path in eager too
         m.boundary(REASON)
