@@ -86,6 +86,11 @@ VARIABLES: tuple[Var, ...] = (
         "Modelled launch latency of the emulated `neuron` device, in microseconds, paid per "
         "launch on the device's timeline (not by the host); see README, The neuron device.",
         minimum=0.0, engine=False),
+    Var("NEURON_EMULATOR_IMPL", "emulator_impl", "choice", "python",
+        "Implementation of the emulated `neuron` device: `python` (tensor subclass, the "
+        "default) or `cpp` (a C++ PrivateUse1 backend built once with the machine's "
+        "compiler; being built up, not yet the default).", choices=("python", "cpp"),
+        engine=False),
 )
 
 _BY_FIELD = {v.field: v for v in VARIABLES}

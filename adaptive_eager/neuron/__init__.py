@@ -28,6 +28,11 @@ def ensure() -> bool:
         if _torchneuronx.available():
             _torchneuronx.adopt()
             _EMULATED = False
+        elif config.setting("emulator_impl") == "cpp":
+            from . import native
+
+            native.register()
+            _EMULATED = True
         else:
             from . import emulator
 

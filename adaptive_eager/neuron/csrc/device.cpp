@@ -1,0 +1,90 @@
+// The device as PyTorch sees it: one device, index 0, a default stream, and hooks saying it
+// is available. Without a guard, ``.to("neuron")`` fails and ``backward()`` aborts.
+#include "neuron.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/detail/PrivateUse1HooksInterface.h>
+#include <ATen/native/Resize.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include <cstring>
+
+namespace neuron {
+namespace {
+
+constexpr c10::DeviceType kType = c10::DeviceType::PrivateUse1;
+
+struct Guard final : c10::impl::DeviceGuardImplInterface {
+  c10::DeviceType type() const override {
+    return kType;
+  }
+  c10::Device exchangeDevice(c10::Device) const override {
+    return c10::Device(kType, 0);
+  }
+  c10::Device getDevice() const override {
+    return c10::Device(kType, 0);
+  }
+  void setDevice(c10::Device d) const override {
+    TORCH_CHECK(d.index() <= 0, "neuron: device index ", int(d.index()),
+                " does not exist (the emulated device has one, index 0)");
+  }
+  void uncheckedSetDevice(c10::Device) const noexcept override {}
+  c10::Stream getStream(c10::Device d) const noexcept override {
+    return c10::Stream(c10::Stream::DEFAULT, d);
+  }
+  c10::Stream exchangeStream(c10::Stream s) const noexcept override {
+    return c10::Stream(c10::Stream::DEFAULT, s.device());
+  }
+  c10::DeviceIndex deviceCount() const noexcept override {
+    return 1;
+  }
+  // The kernels run synchronously on the calling thread (no queue yet): nothing to wait for.
+  void synchronizeDevice(c10::DeviceIndex) const override {}
+  bool queryStream(const c10::Stream&) const override {
+    return true;
+  }
+  void synchronizeStream(const c10::Stream&) const override {}
+};
+
+C10_REGISTER_GUARD_IMPL(PrivateUse1, Guard);
+
+struct Hooks final : at::PrivateUse1HooksInterface {
+  bool isBuilt() const override {
+    return true;
+  }
+  bool isAvailable() const override {
+    return true;
+  }
+  bool hasPrimaryContext(c10::DeviceIndex) const override {
+    return true;
+  }
+  // The device draws from the CPU generator: same seed, same numbers as cpu.
+  const at::Generator& getDefaultGenerator(c10::DeviceIndex) const override {
+    return at::detail::getDefaultCPUGenerator();
+  }
+  at::Device getDeviceFromPtr(void*) const override {
+    return c10::Device(kType, 0);
+  }
+  // resize_ of a neuron storage (ATen's generic resize asks the backend): a new block from
+  // the device allocator, the old bytes copied.
+  void resizePrivateUse1Bytes(const c10::Storage& storage, size_t nbytes) const override {
+    auto* impl = storage.unsafeGetStorageImpl();
+    TORCH_CHECK(impl->resizable(), "Trying to resize storage that is not resizable");
+    at::DataPtr fresh = allocator()->allocate(nbytes);
+    size_t keep = std::min(nbytes, impl->nbytes());
+    if (keep > 0) {
+      std::memcpy(fresh.get(), impl->data(), keep);
+    }
+    impl->set_data_ptr_noswap(std::move(fresh));
+    impl->set_nbytes(nbytes);
+  }
+};
+
+// registered once, when the extension loads
+const bool registered = [] {
+  at::RegisterPrivateUse1HooksInterface(new Hooks());
+  return true;
+}();
+
+}  // namespace
+}  // namespace neuron

@@ -1,0 +1,148 @@
+// Every op without a kernel of the device's own runs ATen's CPU kernel on the device's memory.
+//
+// Each neuron tensor argument is replaced by a host alias: a CPU tensor over the same bytes
+// (one CPU storage per device storage, so two arguments sharing memory still share it, and
+// ATen's overlap checks see what they see on cpu). In-place and ``out=`` results are then
+// written straight into device memory; a fresh result is allocated on the device with the
+// CPU result's sizes and strides and filled from it. View results never come here (a view
+// op without a kernel in kernels.cpp is an error naming it, never a silent copy).
+#include "neuron.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/CPUAllocator.h>
+#include <torch/library.h>
+
+#include <unordered_map>
+
+namespace neuron {
+namespace {
+
+c10::Storage host_storage(const c10::Storage& storage) {
+  void* data = storage.mutable_data();
+  return c10::Storage(c10::Storage::use_byte_size_t(), storage.nbytes(),
+                      at::DataPtr(data, data, &c10::detail::deleteNothing, c10::kCPU),
+                      // an out= argument the kernel resizes moves to fresh CPU memory; the
+                      // result is then moved back into the device tensor (run_on_host)
+                      c10::GetCPUAllocator(), /*resizable=*/true);
+}
+
+// Device storage -> its host alias, for the arguments of one call.
+using Aliases = std::unordered_map<const c10::StorageImpl*, c10::Storage>;
+
+at::Tensor alias_in(const at::Tensor& t, Aliases& aliases) {
+  const auto* key = t.storage().unsafeGetStorageImpl();
+  auto it = aliases.find(key);
+  if (it == aliases.end()) {
+    it = aliases.emplace(key, host_storage(t.storage())).first;
+  }
+  at::Tensor host = at::empty({0}, t.options().device(c10::kCPU));
+  host.set_(it->second, t.storage_offset(), t.sizes(), t.strides());
+  return host;
+}
+
+bool on_device(const c10::IValue& v) {
+  return v.isTensor() && v.toTensor().defined() && v.toTensor().is_privateuseone();
+}
+
+void run_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  for (const auto& r : schema.returns()) {
+    TORCH_CHECK(!r.alias_info() || r.alias_info()->isWrite(), "neuron: ", schema.name(),
+                " returns a view and has no device kernel");
+  }
+  const size_t n = schema.arguments().size();
+  const size_t first = stack->size() - n;
+  Aliases aliases;
+  // device tensors written by the op (in-place, out=): host alias -> the device tensor
+  std::vector<std::pair<at::Tensor, at::Tensor>> written;
+  for (size_t i = 0; i < n; ++i) {
+    c10::IValue& v = (*stack)[first + i];
+    const auto* info = schema.arguments()[i].alias_info();
+    const bool writes = info && info->isWrite();
+    if (on_device(v)) {
+      at::Tensor dev = v.toTensor();
+      at::Tensor host = alias_in(dev, aliases);
+      if (writes) {
+        written.emplace_back(host, dev);
+      }
+      v = host;
+    } else if (v.isTensorList()) {
+      auto list = v.toTensorList();
+      for (size_t j = 0; j < list.size(); ++j) {
+        at::Tensor t = list[j];
+        if (t.defined() && t.is_privateuseone()) {
+          at::Tensor host = alias_in(t, aliases);
+          if (writes) {
+            written.emplace_back(host, t);
+          }
+          list[j] = host;
+        }
+      }
+    } else if (v.isOptionalTensorList()) {
+      auto list = v.toOptionalTensorList();
+      for (size_t j = 0; j < list.size(); ++j) {
+        std::optional<at::Tensor> t = list[j];
+        if (t && t->defined() && t->is_privateuseone()) {
+          list[j] = alias_in(*t, aliases);
+        }
+      }
+    } else if (v.isDevice() && v.toDevice().is_privateuseone()) {
+      v = c10::IValue(c10::Device(c10::kCPU));
+    }
+  }
+  // a factory's device lives in its TensorOptions: run it on cpu, return it on the device
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+  }
+  // results: a written argument's alias is the device tensor it aliases; fresh ones move
+  const size_t m = schema.returns().size();
+  const size_t out0 = stack->size() - m;
+  auto back = [&](const at::Tensor& host) -> at::Tensor {
+    for (auto& [alias, dev] : written) {
+      if (host.is_same(alias)) {
+        if (alias.data_ptr() != dev.data_ptr() || alias.sizes() != dev.sizes()) {
+          // an out= argument the kernel resized: the device tensor takes the new shape
+          dev.resize_(alias.sizes());
+          host_alias(dev).copy_(alias);
+        }
+        return dev;
+      }
+    }
+    return to_device(host);
+  };
+  for (size_t i = out0; i < stack->size(); ++i) {
+    c10::IValue& v = (*stack)[i];
+    if (v.isTensor() && v.toTensor().defined() && v.toTensor().device().is_cpu()) {
+      v = back(v.toTensor());
+    } else if (v.isTensorList()) {
+      auto list = v.toTensorList();
+      for (size_t j = 0; j < list.size(); ++j) {
+        at::Tensor t = list[j];
+        if (t.defined() && t.device().is_cpu()) {
+          list[j] = back(t);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+at::Tensor host_alias(const at::Tensor& t) {
+  Aliases aliases;
+  return alias_in(t, aliases);
+}
+
+at::Tensor to_device(const at::Tensor& host) {
+  at::Tensor out = at::empty_strided(host.sizes(), host.strides(),
+                                     host.options().device(c10::DeviceType::PrivateUse1));
+  host_alias(out).copy_(host);
+  return out;
+}
+
+TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&run_on_host>());
+}
+
+}  // namespace neuron

@@ -1,0 +1,74 @@
+// The kernels the device must own: factories allocate from its allocator, copies cross
+// between host and device memory, and view ops make native views (a view is metadata over
+// the same storage, whatever the device). Every other op goes through fallback.cpp.
+#include "neuron.h"
+
+#include <ATen/EmptyTensor.h>
+#include <ATen/native/Resize.h>
+#include <ATen/ops/_reshape_alias_native.h>
+#include <ATen/ops/as_strided_native.h>
+#include <ATen/ops/resize_native.h>
+#include <ATen/ops/set_native.h>
+#include <ATen/ops/unfold_native.h>
+#include <ATen/ops/view_as_complex_native.h>
+#include <ATen/ops/view_as_real_native.h>
+#include <ATen/ops/view_native.h>
+#include <torch/library.h>
+
+namespace neuron {
+namespace {
+
+const c10::DispatchKeySet kKeys(c10::DispatchKey::PrivateUse1);
+
+at::Tensor empty(c10::IntArrayRef size, std::optional<at::ScalarType> dtype,
+                 std::optional<at::Layout> layout, std::optional<at::Device> device,
+                 std::optional<bool> pin_memory, std::optional<at::MemoryFormat> format) {
+  TORCH_CHECK(!pin_memory.value_or(false), "neuron: pin_memory applies to host tensors");
+  return at::detail::empty_generic(size, allocator(), kKeys,
+                                   c10::dtype_or_default(dtype), format);
+}
+
+at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride,
+                         std::optional<at::ScalarType> dtype, std::optional<at::Layout> layout,
+                         std::optional<at::Device> device, std::optional<bool> pin_memory) {
+  return at::detail::empty_strided_generic(size, stride, allocator(), kKeys,
+                                           c10::dtype_or_default(dtype));
+}
+
+// ``copy_`` between devices lands here (ATen's copy_ calls it for a non-CPU side): both
+// sides are host memory, so it is a CPU copy between aliases.
+at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
+  at::Tensor src = self.is_privateuseone() ? host_alias(self) : self;
+  at::Tensor out = dst.is_privateuseone() ? host_alias(dst) : dst;
+  out.copy_(src);
+  return dst;
+}
+
+at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
+  at::native::resize_(dst, self.sizes());
+  return copy_from(self, dst, false);
+}
+
+at::Tensor& set_storage(at::Tensor& self, c10::Storage source, int64_t offset,
+                        c10::IntArrayRef size, c10::IntArrayRef stride) {
+  return at::native::set_storage_cpu_(self, std::move(source), offset, size, stride);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("empty.memory_format", empty);
+  m.impl("empty_strided", empty_strided);
+  m.impl("_copy_from", copy_from);
+  m.impl("_copy_from_and_resize", copy_from_and_resize);
+  m.impl("resize_", at::native::resize_);
+  m.impl("set_.source_Storage_storage_offset", set_storage);
+  m.impl("view", at::native::view);
+  m.impl("as_strided", at::native::as_strided_tensorimpl);
+  m.impl("_reshape_alias", at::native::_reshape_alias);
+  m.impl("unfold", at::native::unfold);
+  m.impl("view_as_real", at::native::view_as_real);
+  m.impl("view_as_complex", at::native::view_as_complex);
+}
+
+}  // namespace neuron

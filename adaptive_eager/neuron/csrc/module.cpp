@@ -1,0 +1,12 @@
+// The extension's Python entry points: the allocator's figures.
+#include "neuron.h"
+
+#include <torch/extension.h>
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "The emulated neuron device (C++ PrivateUse1 backend)";
+  m.def("memory_allocated", &neuron::memory_allocated);
+  m.def("max_memory_allocated", &neuron::max_memory_allocated);
+  m.def("allocations", &neuron::allocations);
+  m.def("reset_peak_memory_stats", &neuron::reset_peak_memory_stats);
+}

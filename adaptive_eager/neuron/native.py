@@ -1,0 +1,96 @@
+"""Builds and loads the C++ neuron device (``csrc/``) with the machine's compiler.
+
+The extension is compiled once per torch version and source revision, into
+``~/.cache/adaptive_eager/neuron-<torch version>-<source hash>`` (``NEURON_EMULATOR_BUILD_DIR``
+overrides the parent directory); a later process loads the built library in well under a
+second. The first build takes a minute or two and says so in one line on stderr. Without a C++
+compiler the error is one line naming what to install.
+
+Loading registers the device with PyTorch: PrivateUse1 kernels, its allocator, guard and
+hooks. A process can hold one PrivateUse1 backend, so this cannot be loaded beside the Python
+emulator (``emulator.py``); ``register`` chooses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+__all__ = ["load", "register", "build_dir", "SOURCES"]
+
+_CSRC = Path(__file__).with_name("csrc")
+SOURCES = ("allocator.cpp", "device.cpp", "kernels.cpp", "fallback.cpp", "overrideable.cpp",
+           "module.cpp")
+_module = None
+
+
+def build_dir() -> Path:
+    """Where the extension is built: keyed by torch's version and the sources' contents."""
+    digest = hashlib.sha256()
+    for name in sorted(SOURCES) + ["neuron.h"]:
+        digest.update((_CSRC / name).read_bytes())
+    root = os.environ.get("NEURON_EMULATOR_BUILD_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "adaptive_eager")
+    return Path(root) / f"neuron-{torch.__version__}-{digest.hexdigest()[:12]}"
+
+
+def load():
+    """The loaded extension (built first if needed); the device is registered from then on."""
+    global _module
+    if _module is not None:
+        return _module
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"adaptive_eager.neuron: the C++ device needs a C++ compiler and "
+                           f"{compiler!r} is not on PATH; install g++ (e.g. apt install g++)")
+    from torch.utils import cpp_extension
+
+    where = build_dir()
+    built = any(where.glob("*.so")) if where.exists() else False
+    where.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if not built:
+        print(f"adaptive_eager.neuron: building the C++ device once into {where} "
+              "(a minute or two)", file=sys.stderr, flush=True)
+    _module = cpp_extension.load(
+        name="adaptive_eager_neuron",
+        sources=[str(_CSRC / s) for s in SOURCES],
+        build_directory=str(where),
+        extra_cflags=["-O2", "-std=c++17"],
+        verbose=False,
+    )
+    return _module
+
+
+def register() -> None:
+    """Load the extension and make it the ``neuron`` device: PrivateUse1 renamed, the
+    ``.neuron()`` methods generated, ``torch.neuron`` registered."""
+    import types
+
+    ext = load()
+    name = torch._C._get_privateuse1_backend_name()
+    if name not in ("privateuseone", "neuron"):
+        raise RuntimeError(f"adaptive_eager.neuron: PrivateUse1 is already the {name!r} device; "
+                           "the emulated neuron device cannot be registered")
+    if name != "neuron":
+        torch.utils.rename_privateuse1_backend("neuron")
+        torch.utils.generate_methods_for_privateuse1_backend(
+            for_tensor=True, for_module=True, for_storage=True)
+    api = types.ModuleType("torch.neuron", "The emulated neuron device (C++ backend).")
+    api.is_available = lambda: True
+    api.device_count = lambda: 1
+    api.current_device = lambda: 0
+    api.set_device = lambda device: None
+    api.synchronize = lambda device=None: None  # kernels run on the calling thread
+    api.memory_allocated = lambda device=None: ext.memory_allocated()
+    api.max_memory_allocated = lambda device=None: ext.max_memory_allocated()
+    api.reset_peak_memory_stats = lambda device=None: ext.reset_peak_memory_stats()
+    api.manual_seed_all = lambda seed: None  # the device draws from the CPU generator
+    api.get_rng_state = lambda device=None: torch.get_rng_state()
+    api.set_rng_state = lambda state, device=None: torch.set_rng_state(state)
+    api._is_in_bad_fork = lambda: False
+    torch._register_device_module("neuron", api)

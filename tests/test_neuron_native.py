@@ -1,0 +1,173 @@
+"""The C++ neuron device (adaptive_eager/neuron/csrc, NEURON_EMULATOR_IMPL=cpp), through Python.
+
+A process holds one PrivateUse1 backend and this test session's is the Python emulator, so
+the device runs in a child process that reports each check; it is built once per torch
+version and source revision (the first build takes a minute or two).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from adaptive_eager.neuron import _torchneuronx
+
+pytestmark = pytest.mark.skipif(_torchneuronx.available(), reason="torch-neuronx is installed")
+
+# Each check returns True when the device equals cpu (or behaves as the name says).
+_CHILD = r'''
+import json, os, torch, torch.nn as nn
+import adaptive_eager.neuron
+from adaptive_eager.neuron import native
+
+results = {}
+
+def check(name):
+    def run(fn):
+        try:
+            results[name] = bool(fn())
+        except Exception as e:
+            results[name] = f"{type(e).__name__}: {str(e)[:300]}"
+    return run
+
+def same(f):
+    torch.manual_seed(0); ref = f("cpu")
+    torch.manual_seed(0); got = f("neuron")
+    return all(torch.equal(r, g.cpu()) for r, g in zip(ref, got))
+
+@check("plain tensors and native views")
+def _():
+    t = torch.zeros(6, device="neuron")
+    v = t.view(2, 3).t()
+    v[1].add_(1)  # writes through the view into t's memory
+    return (type(t) is torch.Tensor and type(v) is torch.Tensor and t.device.type == "neuron"
+            and v._base is t and t.cpu().tolist() == [0, 1, 0, 0, 1, 0])
+
+@check("compute ops equal cpu")
+def _():
+    return same(lambda d: [(torch.randn(5, 3).to(d) @ torch.randn(3, 4).to(d)).relu() + 1,
+                           torch.arange(6, device=d).reshape(2, 3).sum(1),
+                           torch.randn(4, 4).to(d).softmax(-1)])
+
+@check("in-place on a strided view, out= with resize")
+def _():
+    def f(d):
+        x = torch.randn(5, 3).to(d)
+        x[1:, ::2].mul_(2)
+        o = torch.empty(0, device=d)
+        torch.add(x, 1, out=o)
+        return [x, o]
+    return same(f)
+
+@check("as_strided on an offset view")
+def _():
+    return same(lambda d: [torch.as_strided(torch.arange(12.).to(d)[2:], (2, 3), (3, 1), 1)])
+
+@check("autograd, conv with BatchNorm in train and eval")
+def _():
+    def f(d):
+        m = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8)).to(d)
+        x = torch.randn(2, 3, 8, 8).to(d)
+        m(x).square().sum().backward()
+        m.eval()
+        return [m(x), m[1].running_mean, m[0].weight.grad, m[0].bias.grad]
+    return same(f)
+
+@check("AdamW (foreach) and random ops")
+def _():
+    def f(d):
+        m = nn.Linear(4, 3).to(d)
+        opt = torch.optim.AdamW(m.parameters(), foreach=True)
+        for _ in range(3):
+            m(torch.ones(2, 4).to(d)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return [m.weight, torch.rand(5, device=d), torch.randn(3, device=d)]
+    return same(f)
+
+@check("errors as on cpu")
+def _():
+    msgs = []
+    for d in ("cpu", "neuron"):
+        try:
+            torch.ones(2, 3, device=d) @ torch.ones(2, 3, device=d)
+        except RuntimeError as e:
+            msgs.append(str(e))
+    return len(msgs) == 2 and msgs[0] == msgs[1]
+
+@check("memory figures")
+def _():
+    ext = native.load()
+    before = ext.memory_allocated()
+    x = torch.empty(1 << 20, device="neuron")
+    mid, peak = ext.memory_allocated(), ext.max_memory_allocated()
+    del x
+    return mid - before == 4 << 20 and peak >= mid and ext.memory_allocated() == before
+
+@check("LSTM")
+def _():
+    return same(lambda d: [nn.LSTM(4, 5).to(d)(torch.randn(3, 2, 4).to(d))[0]])
+
+@check("attention with a boolean mask")
+def _():
+    def f(d):
+        q = torch.randn(2, 2, 4, 8).to(d)
+        return [nn.functional.scaled_dot_product_attention(q, q, q,
+                                                           attn_mask=torch.rand(4, 4).to(d) > 0.3)]
+    return same(f)
+
+@check("torch.Generator('neuron')")
+def _():
+    g = torch.Generator("neuron").manual_seed(3)
+    return torch.equal(torch.randn(8, device="neuron", generator=g).cpu(),
+                       torch.randn(8, generator=torch.Generator().manual_seed(3)))
+
+print(json.dumps(results))
+'''
+
+# Gaps of the C++ device still being built (issue 27): each flips to a failure of this test
+# once it works, so the marker is removed with the fix.
+_GAPS = {
+    "LSTM": "PyTorch picks _thnn_fused_lstm_cell for a non-cpu device; not provided yet",
+    "attention with a boolean mask": "the device does not make cpu's kernel choice yet",
+    "torch.Generator('neuron')": "no device generator yet",
+}
+
+
+@pytest.fixture(scope="module")
+def child():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_")}
+    env.update(NEURON_EMULATOR_IMPL="cpp")
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(_CHILD)], capture_output=True,
+                       text=True, env=env, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", [
+    "plain tensors and native views", "compute ops equal cpu",
+    "in-place on a strided view, out= with resize", "as_strided on an offset view",
+    "autograd, conv with BatchNorm in train and eval", "AdamW (foreach) and random ops",
+    "errors as on cpu", "memory figures", *_GAPS])
+def test_cpp_device(child, name):
+    if name in _GAPS:
+        if child[name] is True:
+            pytest.fail(f"{name} works now: remove it from _GAPS")
+        pytest.xfail(_GAPS[name])
+    assert child[name] is True, child[name]
+
+
+def test_missing_compiler_is_one_line(monkeypatch):
+    from adaptive_eager.neuron import native
+
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    monkeypatch.setattr(native, "_module", None)
+    with pytest.raises(RuntimeError, match=r"needs a C\+\+ compiler and 'no-such-compiler' is "
+                                           r"not on PATH; install g\+\+") as e:
+        native.load()
+    assert "\n" not in str(e.value)
