@@ -102,12 +102,16 @@ def _():
 
 @check("memory figures")
 def _():
-    ext = native.load()
-    before = ext.memory_allocated()
+    acc = torch.accelerator
+    torch.accelerator.synchronize()
+    before = acc.memory_allocated()
     x = torch.empty(1 << 20, device="neuron")
-    mid, peak = ext.memory_allocated(), ext.max_memory_allocated()
-    del x
-    return mid - before == 4 << 20 and peak >= mid and ext.memory_allocated() == before
+    y = x + 1  # a CPU kernel's result, adopted as device memory: counted too
+    mid, peak = acc.memory_allocated(), acc.max_memory_allocated()
+    del x, y
+    acc.reset_peak_memory_stats()
+    return (mid - before == 8 << 20 and peak >= mid and acc.memory_allocated() == before
+            and acc.max_memory_allocated() == before and native.load().allocations() > 0)
 
 @check("LSTM")
 def _():
@@ -135,7 +139,6 @@ print(json.dumps(results))
 _GAPS = {
     "LSTM": "PyTorch picks _thnn_fused_lstm_cell for a non-cpu device; not provided yet",
     "attention with a boolean mask": "the device does not make cpu's kernel choice yet",
-    "torch.Generator('neuron')": "no device generator yet",
 }
 
 
@@ -153,7 +156,7 @@ def child():
     "plain tensors and native views", "compute ops equal cpu",
     "in-place on a strided view, out= with resize", "as_strided on an offset view",
     "autograd, conv with BatchNorm in train and eval", "AdamW (foreach) and random ops",
-    "errors as on cpu", "memory figures", *_GAPS])
+    "errors as on cpu", "memory figures", "torch.Generator('neuron')", *_GAPS])
 def test_cpp_device(child, name):
     if name in _GAPS:
         if child[name] is True:

@@ -62,6 +62,9 @@ struct Hooks final : at::PrivateUse1HooksInterface {
   const at::Generator& getDefaultGenerator(c10::DeviceIndex) const override {
     return at::detail::getDefaultCPUGenerator();
   }
+  at::Generator getNewGenerator(c10::DeviceIndex) const override {
+    return new_generator();
+  }
   at::Device getDeviceFromPtr(void*) const override {
     return c10::Device(kType, 0);
   }

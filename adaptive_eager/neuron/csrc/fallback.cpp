@@ -29,16 +29,28 @@ c10::Storage host_storage(const c10::Storage& storage) {
 // Device storage -> its host alias, for the arguments of one call.
 using Aliases = std::unordered_map<const c10::StorageImpl*, c10::Storage>;
 
+at::Tensor over(const c10::Storage& storage, c10::DispatchKey key, const at::Tensor& like);
+
 at::Tensor alias_in(const at::Tensor& t, Aliases& aliases) {
   const auto* key = t.storage().unsafeGetStorageImpl();
   auto it = aliases.find(key);
   if (it == aliases.end()) {
     it = aliases.emplace(key, host_storage(t.storage())).first;
   }
-  at::Tensor host = at::empty({0}, t.options().device(c10::kCPU));
-  host.set_(it->second, t.storage_offset(), t.sizes(), t.strides());
-  return host;
+  // built directly (no dispatch): this runs for every tensor argument of every op
+  return over(it->second, c10::DispatchKey::CPU, t);
 }
+
+// A tensor of ``like``'s dtype, sizes, strides and offset over ``storage``.
+at::Tensor over(const c10::Storage& storage, c10::DispatchKey key, const at::Tensor& like) {
+  at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(
+      c10::Storage(storage), c10::DispatchKeySet(key), like.dtype());
+  t.unsafeGetTensorImpl()->set_sizes_and_strides(like.sizes(), like.strides(),
+                                                 like.storage_offset());
+  return t;
+}
+
+
 
 bool on_device(const c10::IValue& v) {
   return v.isTensor() && v.toTensor().defined() && v.toTensor().is_privateuseone();
@@ -86,6 +98,8 @@ void run_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
           list[j] = alias_in(*t, aliases);
         }
       }
+    } else if (v.isGenerator() && v.toGenerator().device().is_privateuseone()) {
+      v = cpu_generator(v.toGenerator());
     } else if (v.isDevice() && v.toDevice().is_privateuseone()) {
       v = c10::IValue(c10::Device(c10::kCPU));
     }
@@ -134,7 +148,12 @@ at::Tensor host_alias(const at::Tensor& t) {
   return alias_in(t, aliases);
 }
 
+// A fresh result of a CPU kernel as a device tensor: its memory adopted by the device when
+// it is the CPU allocator's own and nothing else holds it (no copy), else copied.
 at::Tensor to_device(const at::Tensor& host) {
+  if (host.storage().use_count() == 1 && adopt(host.storage())) {
+    return over(host.storage(), c10::DispatchKey::PrivateUse1, host);
+  }
   at::Tensor out = at::empty_strided(host.sizes(), host.strides(),
                                      host.options().device(c10::DeviceType::PrivateUse1));
   host_alias(out).copy_(host);

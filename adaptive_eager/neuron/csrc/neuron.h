@@ -12,10 +12,18 @@ int64_t memory_allocated();
 int64_t max_memory_allocated();
 int64_t allocations();
 void reset_peak_memory_stats();
+// A storage a CPU kernel allocated becomes device memory, counted, without a copy (false
+// when the block is not the CPU allocator's own: then the caller copies).
+bool adopt(const c10::Storage& storage);
 
 // fallback.cpp: a CPU tensor over the same memory as a neuron tensor (no copy), and a
-// neuron tensor with a CPU tensor's sizes, strides and values (one copy)
+// neuron tensor with a fresh CPU tensor's sizes, strides and values (its memory adopted, or
+// one copy)
 at::Tensor host_alias(const at::Tensor& t);
 at::Tensor to_device(const at::Tensor& host);
+
+// generator.cpp: ``torch.Generator("neuron")``, and the CPU generator it draws from
+at::Generator new_generator();
+at::Generator cpu_generator(const at::Generator& g);
 
 }  // namespace neuron
