@@ -117,12 +117,16 @@ def _():
 def _():
     return same(lambda d: [nn.LSTM(4, 5).to(d)(torch.randn(3, 2, 4).to(d))[0]])
 
-@check("attention with a boolean mask")
+@check("attention and dropout take cpu's kernels")
 def _():
     def f(d):
-        q = torch.randn(2, 2, 4, 8).to(d)
-        return [nn.functional.scaled_dot_product_attention(q, q, q,
-                                                           attn_mask=torch.rand(4, 4).to(d) > 0.3)]
+        sdpa = nn.functional.scaled_dot_product_attention
+        q = torch.randn(2, 2, 4, 8).to(d).requires_grad_()
+        masks = [None, torch.rand(4, 4).to(d) > 0.3, torch.randn(4, 4).to(d)]
+        outs = [sdpa(q, q, q, attn_mask=m) for m in masks] + [sdpa(q, q, q, is_causal=True)]
+        outs.append(nn.functional.dropout(q * 1, 0.3))
+        sum(o.sum() for o in outs).backward()
+        return outs + [q.grad]
     return same(f)
 
 @check("torch.Generator('neuron')")
@@ -138,7 +142,6 @@ print(json.dumps(results))
 # once it works, so the marker is removed with the fix.
 _GAPS = {
     "LSTM": "PyTorch picks _thnn_fused_lstm_cell for a non-cpu device; not provided yet",
-    "attention with a boolean mask": "the device does not make cpu's kernel choice yet",
 }
 
 
@@ -156,7 +159,8 @@ def child():
     "plain tensors and native views", "compute ops equal cpu",
     "in-place on a strided view, out= with resize", "as_strided on an offset view",
     "autograd, conv with BatchNorm in train and eval", "AdamW (foreach) and random ops",
-    "errors as on cpu", "memory figures", "torch.Generator('neuron')", *_GAPS])
+    "errors as on cpu", "memory figures", "torch.Generator('neuron')",
+    "attention and dropout take cpu's kernels", *_GAPS])
 def test_cpp_device(child, name):
     if name in _GAPS:
         if child[name] is True:

@@ -25,7 +25,7 @@ __all__ = ["load", "register", "build_dir", "SOURCES"]
 
 _CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("allocator.cpp", "device.cpp", "kernels.cpp", "fallback.cpp", "overrideable.cpp",
-           "generator.cpp", "module.cpp")
+           "generator.cpp", "choices.cpp", "module.cpp")
 _module = None
 
 

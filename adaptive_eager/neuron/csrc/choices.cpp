@@ -1,0 +1,86 @@
+// Where ATen's composite code picks a kernel by device, the device makes cpu's pick, so that
+// it computes what cpu computes (registered at the autograd key: the ops issued here carry
+// autograd as they do on cpu). See Note [Attention kernel choice] in ../emulator.py.
+#include "neuron.h"
+
+#include <ATen/ops/_fused_sdp_choice.h>
+#include <ATen/ops/_scaled_dot_product_attention_math.h>
+#include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu.h>
+#include <ATen/ops/scalar_tensor.h>
+#include <ATen/ops/where.h>
+#include <ATen/native/transformers/sdp_utils_cpp.h>
+#include <torch/library.h>
+
+#include <limits>
+
+namespace neuron {
+namespace {
+
+std::optional<at::Tensor> host_or_none(const std::optional<at::Tensor>& t) {
+  if (!t || !t->defined()) {
+    return std::nullopt;
+  }
+  return host_alias(*t);
+}
+
+// scaled_dot_product_attention: ATen asks a per-device stub which kernel to use. cpu's
+// choice depends on shapes, dtypes and flags only (no data is read), so it is asked on host
+// aliases; where cpu fuses, the device issues cpu's fused op with the mask as cpu prepares it.
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const std::optional<at::Tensor>& mask, double dropout_p, bool is_causal,
+                     std::optional<double> scale, bool enable_gqa) {
+  int64_t choice;
+  {
+    at::AutoDispatchBelowAutograd below;  // the choice is not part of the graph
+    choice = at::_fused_sdp_choice(host_alias(q), host_alias(k), host_alias(v),
+                                   host_or_none(mask), dropout_p, is_causal, scale, enable_gqa);
+  }
+  std::optional<at::Tensor> m = mask;
+  if (m && m->defined() && m->dtype() == at::kBool) {
+    auto zero = at::scalar_tensor(0.0, q.options().device(c10::kCPU));
+    auto ninf = at::scalar_tensor(-std::numeric_limits<double>::infinity(),
+                                  q.options().device(c10::kCPU));
+    m = at::where(*m, zero, ninf);
+  }
+  if (choice == static_cast<int64_t>(sdp::SDPBackend::flash_attention)) {
+    return std::get<0>(at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p,
+                                                                       is_causal, m, scale));
+  }
+  return std::get<0>(at::_scaled_dot_product_attention_math(q, k, v, m, dropout_p, is_causal,
+                                                            std::nullopt, scale, enable_gqa));
+}
+
+// dropout: ATen takes the fused ``native_dropout`` on any accelerator and its unfused form on
+// cpu (the same mask, another rounding); the device takes cpu's.
+at::Tensor dropout_impl(const at::Tensor& input, double p, bool train, bool inplace) {
+  if (p == 0 || !train || input.sym_numel() == 0) {
+    return input;
+  }
+  at::Tensor self = input;
+  if (p == 1) {
+    auto zero = at::zeros({}, input.options());
+    return inplace ? self.mul_(zero) : input.mul(zero);
+  }
+  at::Tensor noise = at::empty_like(input).bernoulli_(1 - p);
+  noise.div_(1 - p);
+  return inplace ? self.mul_(noise) : input.mul(noise);
+}
+
+at::Tensor dropout(const at::Tensor& input, double p, bool train) {
+  return dropout_impl(input, p, train, false);
+}
+
+at::Tensor& dropout_(at::Tensor& input, double p, bool train) {
+  dropout_impl(input, p, train, true);
+  return input;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(aten, AutogradPrivateUse1, m) {
+  m.impl("scaled_dot_product_attention", attention);
+  m.impl("dropout", dropout);
+  m.impl("dropout_", dropout_);
+}
+
+}  // namespace neuron
