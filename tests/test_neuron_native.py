@@ -113,6 +113,15 @@ def _():
     return (mid - before == 8 << 20 and peak >= mid and acc.memory_allocated() == before
             and acc.max_memory_allocated() == before and native.load().allocations() > 0)
 
+@check("ops with a cpu kernel and a decomposition run cpu's")
+def _():
+    def f(d):
+        x = torch.randn(64).to(d).requires_grad_()
+        y = nn.functional.silu(x) + nn.functional.mish(x)
+        y.sum().backward()
+        return [y, x.grad, torch.native_channel_shuffle(torch.randn(1, 4, 2, 2).to(d), 2)]
+    return same(f)
+
 @check("LSTM")
 def _():
     return same(lambda d: [nn.LSTM(4, 5).to(d)(torch.randn(3, 2, 4).to(d))[0]])
@@ -160,7 +169,8 @@ def child():
     "in-place on a strided view, out= with resize", "as_strided on an offset view",
     "autograd, conv with BatchNorm in train and eval", "AdamW (foreach) and random ops",
     "errors as on cpu", "memory figures", "torch.Generator('neuron')",
-    "attention and dropout take cpu's kernels", *_GAPS])
+    "attention and dropout take cpu's kernels",
+    "ops with a cpu kernel and a decomposition run cpu's", *_GAPS])
 def test_cpp_device(child, name):
     if name in _GAPS:
         if child[name] is True:

@@ -9,6 +9,7 @@
 #include <ATen/ops/scalar_tensor.h>
 #include <ATen/ops/where.h>
 #include <ATen/native/transformers/sdp_utils_cpp.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <limits>
@@ -75,7 +76,30 @@ at::Tensor& dropout_(at::Tensor& input, double p, bool train) {
   return input;
 }
 
+// Ops with a CPU kernel *and* a decomposition (CompositeImplicitAutograd) that every other
+// device gets instead (silu_backward, mish_backward, native_channel_shuffle): the decomposition
+// rounds otherwise, so the device runs cpu's kernel. Found by name at load time.
+void register_cpu_kernels(torch::Library& lib) {
+  auto& dispatcher = c10::Dispatcher::singleton();
+  for (const auto& name : dispatcher.getAllOpNames()) {
+    auto op = dispatcher.findOp(name);
+    if (name.name.rfind("aten::", 0) == 0 && op &&
+        op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd) &&
+        op->hasKernelForDispatchKey(c10::DispatchKey::CPU)) {
+      std::string op_name = name.name.substr(6);  // without "aten::"
+      if (!name.overload_name.empty()) {
+        op_name += "." + name.overload_name;
+      }
+      lib.impl(op_name.c_str(), torch::CppFunction::makeFromBoxedFunction<&run_on_host>());
+    }
+  }
+}
+
 }  // namespace
+
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  register_cpu_kernels(m);
+}
 
 TORCH_LIBRARY_IMPL(aten, AutogradPrivateUse1, m) {
   m.impl("scaled_dot_product_attention", attention);

@@ -56,6 +56,8 @@ bool on_device(const c10::IValue& v) {
   return v.isTensor() && v.toTensor().defined() && v.toTensor().is_privateuseone();
 }
 
+}  // namespace
+
 void run_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
   for (const auto& r : schema.returns()) {
@@ -140,8 +142,6 @@ void run_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     }
   }
 }
-
-}  // namespace
 
 at::Tensor host_alias(const at::Tensor& t) {
   Aliases aliases;

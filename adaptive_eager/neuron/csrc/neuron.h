@@ -2,6 +2,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/Allocator.h>
 
 namespace neuron {
@@ -21,6 +22,8 @@ bool adopt(const c10::Storage& storage);
 // one copy)
 at::Tensor host_alias(const at::Tensor& t);
 at::Tensor to_device(const at::Tensor& host);
+// the boxed kernel every op without one of the device's own runs: cpu's on host aliases
+void run_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack);
 
 // generator.cpp: ``torch.Generator("neuron")``, and the CPU generator it draws from
 at::Generator new_generator();
