@@ -122,9 +122,21 @@ def _():
         return [y, x.grad, torch.native_channel_shuffle(torch.randn(1, 4, 2, 2).to(d), 2)]
     return same(f)
 
-@check("LSTM")
+@check("LSTM, GRU and their cells, with gradients")
 def _():
-    return same(lambda d: [nn.LSTM(4, 5).to(d)(torch.randn(3, 2, 4).to(d))[0]])
+    def f(d):
+        outs = []
+        for m in (nn.LSTM(4, 5, num_layers=2, dropout=0.3, bidirectional=True), nn.GRU(4, 5),
+                  nn.LSTMCell(4, 5), nn.GRUCell(4, 5)):
+            m = m.to(d)
+            x = torch.randn(3, 2, 4).to(d) if m._get_name() in ("LSTM", "GRU") else \
+                torch.randn(2, 4).to(d)
+            y = m(x)
+            y = y[0] if isinstance(y, tuple) else y
+            y.square().sum().backward()
+            outs += [y] + [p.grad for p in m.parameters()]
+        return outs
+    return same(f)
 
 @check("attention and dropout take cpu's kernels")
 def _():
@@ -149,9 +161,7 @@ print(json.dumps(results))
 
 # Gaps of the C++ device still being built (issue 27): each flips to a failure of this test
 # once it works, so the marker is removed with the fix.
-_GAPS = {
-    "LSTM": "PyTorch picks _thnn_fused_lstm_cell for a non-cpu device; not provided yet",
-}
+_GAPS = {}
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +180,8 @@ def child():
     "autograd, conv with BatchNorm in train and eval", "AdamW (foreach) and random ops",
     "errors as on cpu", "memory figures", "torch.Generator('neuron')",
     "attention and dropout take cpu's kernels",
-    "ops with a cpu kernel and a decomposition run cpu's", *_GAPS])
+    "ops with a cpu kernel and a decomposition run cpu's",
+    "LSTM, GRU and their cells, with gradients", *_GAPS])
 def test_cpp_device(child, name):
     if name in _GAPS:
         if child[name] is True:

@@ -27,6 +27,7 @@ _CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("allocator.cpp", "device.cpp", "kernels.cpp", "fallback.cpp", "overrideable.cpp",
            "generator.cpp", "choices.cpp", "module.cpp")
 _module = None
+_LIB = None  # the Python kernels' registrations (kept alive)
 
 
 def build_dir() -> Path:
@@ -94,3 +95,8 @@ def register() -> None:
     api.set_rng_state = lambda state, device=None: torch.set_rng_state(state)
     api._is_in_bad_fork = lambda: False
     torch._register_device_module("neuron", api)
+    from . import rnn
+
+    global _LIB
+    _LIB = torch.library.Library("aten", "IMPL")
+    rnn.register(ext, _LIB)
