@@ -58,7 +58,8 @@ class Engine:
         if "neuron" in config.devices:  # the device must exist before the program names it
             from . import neuron
 
-            if neuron.ensure():  # emulated: its tensors are managed like plain ones
+            if neuron.ensure() and not neuron.is_native():
+                # the Python emulator: its tensors are managed like plain ones
                 from adaptive_eager.neuron.tensor import NeuronTensor, empty_strided
                 from adaptive_eager.tracer.signature import ALLOCATORS, PLAIN
 

@@ -231,7 +231,7 @@ def run(path: Path, seg, ctx, counters) -> None:
     queue = queue_for(path.device_type)
     # What the launch reads, fixed now: an asynchronous queue runs it after the segment's
     # bookkeeping has been reset and while the program goes on (module docstring of queues).
-    if queue.asynchronous:
+    if queue.asynchronous or queue.host_views:
         prep = queue.prepare
         exts = [prep(x) for x in seg.exts]
         floats = list(seg.floats)

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["Queue", "ImmediateQueue", "NeuronQueue", "CudaQueue", "TorchNeuronxQueue", "queue_for",
-           "register_queue", "set_depth", "synchronize_all"]
+__all__ = ["Queue", "ImmediateQueue", "NeuronQueue", "NativeNeuronQueue", "CudaQueue",
+           "TorchNeuronxQueue", "queue_for", "register_queue", "set_depth", "synchronize_all"]
 
 
 class Queue:
@@ -38,6 +38,9 @@ class Queue:
     # earlier, while the caller's temporaries are still alive, so more outputs materialize.
     launch_early = False
     asynchronous = False
+    # The launch reads and writes the device's tensors through ``prepare`` (host views of
+    # device memory) even though it runs at once (the C++ emulated device).
+    host_views = False
     # The device the launch's kernels run on, for compiling its micro-graphs (None: the
     # device itself).
     compute_device: torch.device | None = None
@@ -106,6 +109,31 @@ class NeuronQueue(Queue):
         self._hw.get().synchronize("adaptive_eager.synchronize")
 
 
+class NativeNeuronQueue(Queue):
+    """The emulated neuron device as a C++ backend (NEURON_EMULATOR_IMPL=cpp): a launch runs
+    at once, on the calling thread, over host aliases of the device's memory (no copy), so
+    replays and fused graphs run cpu's kernels as the device's own ops do."""
+
+    host_views = True
+    compute_device = torch.device("cpu")
+
+    def __init__(self):
+        from adaptive_eager.neuron import native
+
+        self._alias = native.load().host_alias
+
+    def prepare(self, x):
+        if isinstance(x, torch.Tensor) and x.device.type == "neuron":
+            return self._alias(x)
+        return x
+
+    def submit(self, fn, *args) -> None:
+        fn(*args)
+
+    def synchronize(self) -> None:
+        pass
+
+
 class CudaQueue(Queue):
     """CUDA: the launch's kernels go on the current stream; the host does not wait.
 
@@ -153,7 +181,9 @@ def _make(device_type: str) -> Queue:
     if device_type == "neuron":
         from adaptive_eager import neuron
 
-        return NeuronQueue() if neuron.is_emulated() else TorchNeuronxQueue()
+        if not neuron.is_emulated():
+            return TorchNeuronxQueue()
+        return NativeNeuronQueue() if neuron.is_native() else NeuronQueue()
     if device_type == "cuda":
         return CudaQueue()
     return _IMMEDIATE

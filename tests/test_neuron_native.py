@@ -156,6 +156,32 @@ def _():
     return torch.equal(torch.randn(8, device="neuron", generator=g).cpu(),
                        torch.randn(8, generator=torch.Generator().manual_seed(3)))
 
+@check("the engine replays on the device, exact and fused")
+def _():
+    import adaptive_eager as ae
+
+    x = torch.randn(256, device="neuron")
+
+    def step():
+        y = x
+        for _ in range(8):
+            y = (y * 1.01 + 0.5).relu()
+        return y.sum().item()
+
+    ref = step()
+    ok = True
+    for backend in ("exact", "inductor"):
+        with ae.enabled(devices=("neuron",), backend=backend):
+            got = [step() for _ in range(4)]
+            ae.wait_compiles(120)
+            got += [step() for _ in range(2)]
+            s = ae.stats()
+        ok &= s.replays >= 4 and (backend == "exact" or s.graphs_compiled == 1)
+        ok &= all(abs(g - ref) <= 1e-5 * abs(ref) if backend == "inductor" else g == ref
+                  for g in got)
+        ae.reset()
+    return ok
+
 print(json.dumps(results))
 '''
 
@@ -167,7 +193,8 @@ _GAPS = {}
 @pytest.fixture(scope="module")
 def child():
     env = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_")}
-    env.update(NEURON_EMULATOR_IMPL="cpp")
+    env.update(NEURON_EMULATOR_IMPL="cpp", NEURON_ADAPTIVE_EAGER_SUSPEND_RATIO="0",
+               NEURON_ADAPTIVE_EAGER_RETIRE_RATIO="0")
     r = subprocess.run([sys.executable, "-c", textwrap.dedent(_CHILD)], capture_output=True,
                        text=True, env=env, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -181,7 +208,8 @@ def child():
     "errors as on cpu", "memory figures", "torch.Generator('neuron')",
     "attention and dropout take cpu's kernels",
     "ops with a cpu kernel and a decomposition run cpu's",
-    "LSTM, GRU and their cells, with gradients", *_GAPS])
+    "LSTM, GRU and their cells, with gradients",
+    "the engine replays on the device, exact and fused", *_GAPS])
 def test_cpp_device(child, name):
     if name in _GAPS:
         if child[name] is True:

@@ -16,14 +16,15 @@ from __future__ import annotations
 from .. import config
 from . import _torchneuronx
 
-__all__ = ["is_emulated", "counters", "reset_counters", "set_launch_latency_us", "ensure"]
+__all__ = ["is_emulated", "is_native", "counters", "reset_counters", "set_launch_latency_us", "ensure"]
 
 _EMULATED: bool | None = None
+_NATIVE = False  # the emulated device is the C++ backend (NEURON_EMULATOR_IMPL=cpp)
 
 
 def ensure() -> bool:
     """Register the device if it is not yet; returns True when it is the emulated one."""
-    global _EMULATED
+    global _EMULATED, _NATIVE
     if _EMULATED is None:
         if _torchneuronx.available():
             _torchneuronx.adopt()
@@ -32,7 +33,7 @@ def ensure() -> bool:
             from . import native
 
             native.register()
-            _EMULATED = True
+            _EMULATED = _NATIVE = True
         else:
             from . import emulator
 
@@ -43,6 +44,12 @@ def ensure() -> bool:
 
 def is_emulated() -> bool:
     return ensure()
+
+
+def is_native() -> bool:
+    """Is the emulated device the C++ backend (plain tensors, kernels on the calling thread)?"""
+    ensure()
+    return _NATIVE
 
 
 def _device(index: int = 0):
