@@ -73,6 +73,7 @@ def register() -> None:
     import types
 
     ext = load()
+    ext.register_cpu_kernels()
     name = torch._C._get_privateuse1_backend_name()
     if name not in ("privateuseone", "neuron"):
         raise RuntimeError(f"adaptive_eager.neuron: PrivateUse1 is already the {name!r} device; "

@@ -76,29 +76,50 @@ at::Tensor& dropout_(at::Tensor& input, double p, bool train) {
   return input;
 }
 
-// Ops with a CPU kernel *and* a decomposition (CompositeImplicitAutograd) that every other
-// device gets instead (silu_backward, mish_backward, native_channel_shuffle): the decomposition
-// rounds otherwise, so the device runs cpu's kernel. Found by name at load time.
-void register_cpu_kernels(torch::Library& lib) {
-  auto& dispatcher = c10::Dispatcher::singleton();
-  for (const auto& name : dispatcher.getAllOpNames()) {
-    auto op = dispatcher.findOp(name);
-    if (name.name.rfind("aten::", 0) == 0 && op &&
-        op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd) &&
-        op->hasKernelForDispatchKey(c10::DispatchKey::CPU)) {
-      std::string op_name = name.name.substr(6);  // without "aten::"
-      if (!name.overload_name.empty()) {
-        op_name += "." + name.overload_name;
-      }
-      lib.impl(op_name.c_str(), torch::CppFunction::makeFromBoxedFunction<&run_on_host>());
-    }
-  }
-}
-
 }  // namespace
 
-TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
-  register_cpu_kernels(m);
+// Ops with a CPU kernel *and* a composite one (CompositeImplicitAutograd, or
+// CompositeExplicitAutograd[NonFunctional]): every device but cpu gets the composite. Some
+// composites compute otherwise than cpu's kernel (native_layer_norm's math version,
+// silu_backward's decomposition: other roundings), the rest (structured ops' functional and
+// in-place forms) compute the same through one more dispatch. So the device runs cpu's kernel for all of them,
+// found by name when the device is registered (after every static registration: an op the
+// device has its own kernel for keeps it). Views and ops on storages never qualify.
+int64_t register_cpu_kernels() {
+  static auto* lib = new torch::Library(torch::Library::IMPL, "aten",
+                                        c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
+  auto& dispatcher = c10::Dispatcher::singleton();
+  int64_t n = 0;
+  for (const auto& name : dispatcher.getAllOpNames()) {
+    auto op = dispatcher.findOp(name);
+    if (!op || name.name.rfind("aten::", 0) != 0 ||
+        !op->hasKernelForDispatchKey(c10::DispatchKey::CPU) ||
+        op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1) ||
+        !(op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd) ||
+          op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) ||
+          op->hasKernelForDispatchKey(
+              c10::DispatchKey::CompositeExplicitAutogradNonFunctional))) {
+      continue;
+    }
+    const auto& schema = op->schema();
+    bool plain = true;
+    for (const auto& r : schema.returns()) {
+      plain &= !r.alias_info() || r.alias_info()->isWrite();
+    }
+    for (const auto& a : schema.arguments()) {
+      plain &= a.type()->kind() != c10::TypeKind::StorageType;
+    }
+    if (!plain) {
+      continue;
+    }
+    std::string op_name = name.name.substr(6);  // without "aten::"
+    if (!name.overload_name.empty()) {
+      op_name += "." + name.overload_name;
+    }
+    lib->impl(op_name.c_str(), torch::CppFunction::makeFromBoxedFunction<&run_on_host>());
+    ++n;
+  }
+  return n;
 }
 
 TORCH_LIBRARY_IMPL(aten, AutogradPrivateUse1, m) {

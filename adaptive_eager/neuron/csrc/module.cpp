@@ -12,4 +12,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("reset_peak_memory_stats", &neuron::reset_peak_memory_stats);
   m.def("host_alias", &neuron::host_alias, "A CPU tensor over a neuron tensor's memory");
   m.def("to_device", &neuron::to_device, "A neuron tensor with a CPU tensor's values");
+  m.def("register_cpu_kernels", &neuron::register_cpu_kernels);
 }

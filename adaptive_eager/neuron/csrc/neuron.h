@@ -25,6 +25,9 @@ at::Tensor to_device(const at::Tensor& host);
 // the boxed kernel every op without one of the device's own runs: cpu's on host aliases
 void run_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack);
 
+// choices.cpp: cpu's kernel for every op that has one and a composite (returns how many)
+int64_t register_cpu_kernels();
+
 // generator.cpp: ``torch.Generator("neuron")``, and the CPU generator it draws from
 at::Generator new_generator();
 at::Generator cpu_generator(const at::Generator& g);
