@@ -156,6 +156,34 @@ def _():
     return torch.equal(torch.randn(8, device="neuron", generator=g).cpu(),
                        torch.randn(8, generator=torch.Generator().manual_seed(3)))
 
+@check("save and load, to cpu and back to the device")
+def _():
+    import io
+    m = nn.Linear(3, 2).to("neuron")
+    buf = io.BytesIO()
+    torch.save(m.state_dict(), buf)
+    buf.seek(0)
+    on_cpu = torch.load(buf, map_location="cpu")
+    buf.seek(0)
+    back = torch.load(buf)
+    return (on_cpu["weight"].device.type == "cpu" and back["weight"].device.type == "neuron"
+            and torch.equal(on_cpu["weight"], m.weight.detach().cpu())
+            and torch.equal(back["bias"].cpu(), m.bias.detach().cpu()))
+
+@check("streams and events")
+def _():
+    s = torch.neuron.Stream()
+    e1, e2 = torch.neuron.Event(enable_timing=True), torch.neuron.Event(enable_timing=True)
+    default = torch.neuron.current_stream()
+    with torch.neuron.stream(s):
+        inside = torch.neuron.current_stream()
+        e1.record()
+        y = torch.randn(64, 64, device="neuron") @ torch.randn(64, 64, device="neuron")
+        e2.record()
+    e2.synchronize()
+    return (inside == s and torch.neuron.current_stream() == default and s != default
+            and e2.query() and e1.elapsed_time(e2) >= 0 and y.shape == (64, 64))
+
 @check("the engine replays on the device, exact and fused")
 def _():
     import adaptive_eager as ae
@@ -209,6 +237,7 @@ def child():
     "attention and dropout take cpu's kernels",
     "ops with a cpu kernel and a decomposition run cpu's",
     "LSTM, GRU and their cells, with gradients",
+    "save and load, to cpu and back to the device", "streams and events",
     "the engine replays on the device, exact and fused", *_GAPS])
 def test_cpp_device(child, name):
     if name in _GAPS:

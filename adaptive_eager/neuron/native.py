@@ -95,9 +95,48 @@ def register() -> None:
     api.get_rng_state = lambda device=None: torch.get_rng_state()
     api.set_rng_state = lambda state, device=None: torch.set_rng_state(state)
     api._is_in_bad_fork = lambda: False
+    api.Stream = lambda device=None, priority=0: torch.Stream("neuron", priority=priority)
+    api.Event = lambda enable_timing=False, blocking=False, interprocess=False: torch.Event(
+        "neuron", enable_timing=enable_timing, blocking=blocking, interprocess=interprocess)
+    api.current_stream = lambda device=None: torch.accelerator.current_stream()
+    api.stream = _StreamContext
+    api.device = _DeviceContext
     torch._register_device_module("neuron", api)
     from . import rnn
 
     global _LIB
     _LIB = torch.library.Library("aten", "IMPL")
     rnn.register(ext, _LIB)
+
+
+class _StreamContext:
+    """``with torch.neuron.stream(s):`` -- ``s`` is the current stream inside."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def __enter__(self):
+        self.previous = torch.accelerator.current_stream()
+        if self.stream is not None:
+            torch.accelerator.set_stream(self.stream)
+        return self.stream
+
+    def __exit__(self, *exc):
+        torch.accelerator.set_stream(self.previous)
+
+
+class _DeviceContext:
+    """``with torch.neuron.device(i):`` -- one device, index 0."""
+
+    def __init__(self, device):
+        index = getattr(torch.device(device) if isinstance(device, str) else device, "index",
+                        device)
+        if index not in (None, 0, -1):
+            raise RuntimeError(f"neuron: device {device!r} does not exist (the emulated device "
+                               "has one, index 0)")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

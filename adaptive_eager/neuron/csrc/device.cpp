@@ -7,12 +7,18 @@
 #include <ATen/native/Resize.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstring>
 
 namespace neuron {
 namespace {
 
 constexpr c10::DeviceType kType = c10::DeviceType::PrivateUse1;
+using Clock = std::chrono::steady_clock;
+
+thread_local c10::StreamId current_stream = 0;
+std::atomic<c10::StreamId> last_stream{0};
 
 struct Guard final : c10::impl::DeviceGuardImplInterface {
   c10::DeviceType type() const override {
@@ -29,11 +35,42 @@ struct Guard final : c10::impl::DeviceGuardImplInterface {
                 " does not exist (the emulated device has one, index 0)");
   }
   void uncheckedSetDevice(c10::Device) const noexcept override {}
+  // Streams are labels while kernels run synchronously: each new one gets an id, and each
+  // thread has a current one (the default, id 0, until set).
   c10::Stream getStream(c10::Device d) const noexcept override {
-    return c10::Stream(c10::Stream::DEFAULT, d);
+    return c10::Stream(c10::Stream::UNSAFE, c10::Device(kType, 0), current_stream);
   }
   c10::Stream exchangeStream(c10::Stream s) const noexcept override {
-    return c10::Stream(c10::Stream::DEFAULT, s.device());
+    c10::Stream previous = getStream(s.device());
+    current_stream = s.id();
+    return previous;
+  }
+  c10::Stream getNewStream(c10::Device d, int priority) const override {
+    return c10::Stream(c10::Stream::UNSAFE, c10::Device(kType, 0), ++last_stream);
+  }
+  c10::Stream getStreamFromGlobalPool(c10::Device d, bool high_priority) const override {
+    return getNewStream(d, 0);
+  }
+  // An event completes when it is recorded (the work before it has run); it keeps the time.
+  void record(void** event, const c10::Stream&, const c10::DeviceIndex,
+              const c10::EventFlag) const override {
+    if (*event == nullptr) {
+      *event = new Clock::time_point();
+    }
+    *static_cast<Clock::time_point*>(*event) = Clock::now();
+  }
+  void block(void*, const c10::Stream&) const override {}
+  bool queryEvent(void*) const override {
+    return true;
+  }
+  void synchronizeEvent(void*) const override {}
+  void destroyEvent(void* event, const c10::DeviceIndex) const noexcept override {
+    delete static_cast<Clock::time_point*>(event);
+  }
+  double elapsedTime(void* start, void* end, const c10::DeviceIndex) const override {
+    TORCH_CHECK(start && end, "neuron: both events must be recorded before elapsed_time()");
+    auto d = *static_cast<Clock::time_point*>(end) - *static_cast<Clock::time_point*>(start);
+    return std::chrono::duration<double, std::milli>(d).count();
   }
   c10::DeviceIndex deviceCount() const noexcept override {
     return 1;

@@ -8,6 +8,7 @@
 #include <ATen/ops/_reshape_alias_native.h>
 #include <ATen/ops/as_strided_native.h>
 #include <ATen/ops/resize_native.h>
+#include <ATen/ops/is_set_to_native.h>
 #include <ATen/ops/set_native.h>
 #include <ATen/ops/unfold_native.h>
 #include <ATen/ops/view_as_complex_native.h>
@@ -49,9 +50,20 @@ at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
   return copy_from(self, dst, false);
 }
 
+// set_ and its forms point a tensor at a storage: metadata only, the same on every device
+// (cpu's kernels would be handed host aliases and point those instead).
 at::Tensor& set_storage(at::Tensor& self, c10::Storage source, int64_t offset,
                         c10::IntArrayRef size, c10::IntArrayRef stride) {
   return at::native::set_storage_cpu_(self, std::move(source), offset, size, stride);
+}
+
+at::Tensor& set_whole_storage(at::Tensor& self, c10::Storage source) {
+  return at::native::set_(self, std::move(source));
+}
+
+at::Tensor& set_empty(at::Tensor& self) {
+  c10::Storage empty(c10::Storage::use_byte_size_t(), 0, allocator(), /*resizable=*/true);
+  return set_storage(self, std::move(empty), 0, {0}, {});
 }
 
 }  // namespace
@@ -63,6 +75,10 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("_copy_from_and_resize", copy_from_and_resize);
   m.impl("resize_", at::native::resize_);
   m.impl("set_.source_Storage_storage_offset", set_storage);
+  m.impl("set_.source_Storage", set_whole_storage);
+  m.impl("set_.source_Tensor", at::native::set_tensor_);
+  m.impl("set_", set_empty);
+  m.impl("is_set_to", at::native::is_set_to);
   m.impl("view", at::native::view);
   m.impl("as_strided", at::native::as_strided_tensorimpl);
   m.impl("_reshape_alias", at::native::_reshape_alias);
