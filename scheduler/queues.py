@@ -25,6 +25,8 @@ snapshotted) and waits for the launch where the host must observe its effect in 
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 __all__ = ["Queue", "ImmediateQueue", "NeuronQueue", "NativeNeuronQueue", "CudaQueue",
@@ -120,7 +122,8 @@ class NativeNeuronQueue(Queue):
     def __init__(self):
         from adaptive_eager.neuron import native
 
-        self._alias = native.load().host_alias
+        self._ext = native.load()
+        self._alias = self._ext.host_alias
 
     def prepare(self, x):
         if isinstance(x, torch.Tensor) and x.device.type == "neuron":
@@ -128,10 +131,12 @@ class NativeNeuronQueue(Queue):
         return x
 
     def submit(self, fn, *args) -> None:
+        start = time.perf_counter()
         fn(*args)
+        self._ext.launched_us((time.perf_counter() - start) * 1e6)  # one launch on its clock
 
     def synchronize(self) -> None:
-        pass
+        self._ext.synchronize()
 
 
 class CudaQueue(Queue):

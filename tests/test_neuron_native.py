@@ -184,6 +184,30 @@ def _():
     return (inside == s and torch.neuron.current_stream() == default and s != default
             and e2.query() and e1.elapsed_time(e2) >= 0 and y.shape == (64, 64))
 
+@check("launches counted, latency paid on the device's clock at syncs")
+def _():
+    import time
+    import adaptive_eager.neuron as neuron
+
+    x = torch.ones(16, device="neuron")
+    y = x.view(4, 4)  # a view: no launch
+    neuron.reset_counters()
+    z = x + 1  # one launch
+    z.mul_(2)  # one launch
+    counted = neuron.counters().launches == 2
+    z.cpu()  # a copy to the host: a launch and a sync
+    c = neuron.counters()
+    neuron.set_launch_latency_us(2000)
+    t = time.perf_counter()
+    for _ in range(20):
+        z.add_(1)  # 20 launches of 2 ms each on the device's clock; the host runs ahead
+    issued = time.perf_counter() - t
+    torch.neuron.synchronize()  # the host waits for the device: >= 40 ms in all
+    waited = time.perf_counter() - t
+    neuron.set_launch_latency_us(0)
+    return (counted and c.launches == 3 and c.bytes_to_host == 64 and c.syncs >= 1
+            and issued < 0.03 and waited >= 0.04 and z.cpu().tolist() == [24.0] * 16)
+
 @check("the engine replays on the device, exact and fused")
 def _():
     import adaptive_eager as ae
@@ -205,6 +229,11 @@ def _():
             got += [step() for _ in range(2)]
             s = ae.stats()
         ok &= s.replays >= 4 and (backend == "exact" or s.graphs_compiled == 1)
+        import adaptive_eager.neuron as neuron
+        neuron.reset_counters()
+        with ae.enabled(devices=("neuron",), backend=backend):
+            step()
+        ok &= neuron.counters().launches == 2  # the replay and the read's copy
         ok &= all(abs(g - ref) <= 1e-5 * abs(ref) if backend == "inductor" else g == ref
                   for g in got)
         ae.reset()
@@ -238,6 +267,7 @@ def child():
     "ops with a cpu kernel and a decomposition run cpu's",
     "LSTM, GRU and their cells, with gradients",
     "save and load, to cpu and back to the device", "streams and events",
+    "launches counted, latency paid on the device's clock at syncs",
     "the engine replays on the device, exact and fused", *_GAPS])
 def test_cpp_device(child, name):
     if name in _GAPS:

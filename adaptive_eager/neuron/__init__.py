@@ -32,7 +32,7 @@ def ensure() -> bool:
         elif config.setting("emulator_impl") == "cpp":
             from . import native
 
-            native.register()
+            native.register(config.setting("emulator_launch_us"))
             _EMULATED = _NATIVE = True
         else:
             from . import emulator
@@ -65,12 +65,26 @@ def counters(index: int = 0):
     """A snapshot of the emulated device's exact counters (waits for its queue first)."""
     import copy
 
+    if is_native():
+        from . import native
+        from .hardware import Counters
+
+        ext = native.load()
+        ext.synchronize()
+        c = ext.counters()
+        return Counters(launches=int(c["launches"]), bytes_to_device=int(c["bytes_to_device"]),
+                        bytes_to_host=int(c["bytes_to_host"]), syncs=int(c["syncs"]),
+                        busy_s=c["busy_s"], kernel_s=c["kernel_s"])
     d = _device(index)
     d.synchronize("counters")
     return copy.deepcopy(d.counters)
 
 
 def reset_counters(index: int = 0) -> None:
+    if is_native():
+        from . import native
+
+        return native.load().reset_counters()
     _device(index).reset_counters()
 
 
@@ -79,6 +93,10 @@ def set_launch_latency_us(us: float, index: int = 0) -> None:
     if isinstance(us, bool) or not isinstance(us, (int, float)) or us < 0:
         raise ValueError(f"adaptive_eager.neuron: launch latency {us!r} us is not valid; "
                          "accepted: a number >= 0")
+    if is_native():
+        from . import native
+
+        return native.load().set_latency_us(float(us))
     _device(index).set_latency(float(us))
 
 

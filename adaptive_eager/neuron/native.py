@@ -25,7 +25,7 @@ __all__ = ["load", "register", "build_dir", "SOURCES"]
 
 _CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("allocator.cpp", "device.cpp", "kernels.cpp", "fallback.cpp", "overrideable.cpp",
-           "generator.cpp", "choices.cpp", "module.cpp")
+           "generator.cpp", "choices.cpp", "timeline.cpp", "module.cpp")
 _module = None
 _LIB = None  # the Python kernels' registrations (kept alive)
 
@@ -67,13 +67,15 @@ def load():
     return _module
 
 
-def register() -> None:
-    """Load the extension and make it the ``neuron`` device: PrivateUse1 renamed, the
-    ``.neuron()`` methods generated, ``torch.neuron`` registered."""
+def register(launch_us: float) -> None:
+    """Load the extension and make it the ``neuron`` device, with ``launch_us`` of modelled
+    latency per launch: PrivateUse1 renamed, the ``.neuron()`` methods generated,
+    ``torch.neuron`` registered."""
     import types
 
     ext = load()
     ext.register_cpu_kernels()
+    ext.set_latency_us(launch_us)
     name = torch._C._get_privateuse1_backend_name()
     if name not in ("privateuseone", "neuron"):
         raise RuntimeError(f"adaptive_eager.neuron: PrivateUse1 is already the {name!r} device; "
@@ -87,7 +89,7 @@ def register() -> None:
     api.device_count = lambda: 1
     api.current_device = lambda: 0
     api.set_device = lambda device: None
-    api.synchronize = lambda device=None: None  # kernels run on the calling thread
+    api.synchronize = lambda device=None: ext.synchronize()
     api.memory_allocated = lambda device=None: ext.memory_allocated()
     api.max_memory_allocated = lambda device=None: ext.max_memory_allocated()
     api.reset_peak_memory_stats = lambda device=None: ext.reset_peak_memory_stats()

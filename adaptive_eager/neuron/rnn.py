@@ -11,6 +11,8 @@ path, once per layer call, not per op.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 __all__ = ["register"]
@@ -24,8 +26,10 @@ class _OnHost(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ext, call, *tensors):
         hosts = [ext.host_alias(t).detach().requires_grad_(t.requires_grad) for t in tensors]
+        start = time.perf_counter()
         with torch.enable_grad():
             outs = call(*hosts)
+        ext.launched_us((time.perf_counter() - start) * 1e6)  # the layer: one launch
         outs = outs if isinstance(outs, tuple) else (outs,)
         # the host aliases do not own the device's memory: the device tensors stay alive as
         # long as the host graph that saved their aliases
@@ -38,8 +42,10 @@ class _OnHost(torch.autograd.Function):
         pairs = [(o, ext.host_alias(g)) for o, g in zip(ctx.outs, grads)
                  if g is not None and o.requires_grad]
         wanted = [h for h in ctx.hosts if h.requires_grad]
+        start = time.perf_counter()
         got = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
                                        allow_unused=True) if pairs and wanted else [])
+        ext.launched_us((time.perf_counter() - start) * 1e6)
         out = [None, None]
         for h in ctx.hosts:
             g = next(got) if h.requires_grad else None

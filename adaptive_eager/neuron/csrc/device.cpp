@@ -63,7 +63,9 @@ struct Guard final : c10::impl::DeviceGuardImplInterface {
   bool queryEvent(void*) const override {
     return true;
   }
-  void synchronizeEvent(void*) const override {}
+  void synchronizeEvent(void*) const override {
+    wait("event synchronize");
+  }
   void destroyEvent(void* event, const c10::DeviceIndex) const noexcept override {
     delete static_cast<Clock::time_point*>(event);
   }
@@ -75,12 +77,16 @@ struct Guard final : c10::impl::DeviceGuardImplInterface {
   c10::DeviceIndex deviceCount() const noexcept override {
     return 1;
   }
-  // The kernels run synchronously on the calling thread (no queue yet): nothing to wait for.
-  void synchronizeDevice(c10::DeviceIndex) const override {}
+  // Kernels run on the calling thread; the host waits for the device's clock (timeline.cpp).
+  void synchronizeDevice(c10::DeviceIndex) const override {
+    wait("synchronize");
+  }
   bool queryStream(const c10::Stream&) const override {
     return true;
   }
-  void synchronizeStream(const c10::Stream&) const override {}
+  void synchronizeStream(const c10::Stream&) const override {
+    wait("stream synchronize");
+  }
 };
 
 C10_REGISTER_GUARD_IMPL(PrivateUse1, Guard);

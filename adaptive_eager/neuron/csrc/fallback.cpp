@@ -106,11 +106,22 @@ void run_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       v = c10::IValue(c10::Device(c10::kCPU));
     }
   }
+  // an op that returns a value that is not a tensor reads device memory: the host waits
+  bool reads = false;
+  for (const auto& r : schema.returns()) {
+    auto kind = r.type()->kind();
+    reads |= kind != c10::TypeKind::TensorType && kind != c10::TypeKind::ListType;
+  }
+  if (reads) {
+    wait(schema.name().c_str());
+  }
   // a factory's device lives in its TensorOptions: run it on cpu, return it on the device
+  const auto start = std::chrono::steady_clock::now();
   {
     at::AutoDispatchBelowADInplaceOrView guard;
     op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
   }
+  launched(std::chrono::steady_clock::now() - start, schema.name().c_str());
   // results: a written argument's alias is the device tensor it aliases; fresh ones move
   const size_t m = schema.returns().size();
   const size_t out0 = stack->size() - m;

@@ -38,10 +38,21 @@ at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride,
 
 // ``copy_`` between devices lands here (ATen's copy_ calls it for a non-CPU side): both
 // sides are host memory, so it is a CPU copy between aliases.
+// A copy to the host is a sync point (the host reads what the device wrote); every copy is
+// one launch, with its bytes counted.
 at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
+  const bool to_host = !dst.is_privateuseone();
+  if (to_host) {
+    wait("copy to host");
+  }
   at::Tensor src = self.is_privateuseone() ? host_alias(self) : self;
-  at::Tensor out = dst.is_privateuseone() ? host_alias(dst) : dst;
+  at::Tensor out = to_host ? dst : host_alias(dst);
+  const auto start = std::chrono::steady_clock::now();
   out.copy_(src);
+  launched(std::chrono::steady_clock::now() - start, "copy");
+  if (to_host || !self.is_privateuseone()) {
+    copied(static_cast<int64_t>(dst.nbytes()), to_host);
+  }
   return dst;
 }
 

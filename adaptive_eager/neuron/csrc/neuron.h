@@ -5,6 +5,8 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/Allocator.h>
 
+#include <chrono>
+
 namespace neuron {
 
 // allocator.cpp: host memory the device owns, with the figures torch.accelerator reports
@@ -24,6 +26,23 @@ at::Tensor host_alias(const at::Tensor& t);
 at::Tensor to_device(const at::Tensor& host);
 // the boxed kernel every op without one of the device's own runs: cpu's on host aliases
 void run_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack);
+
+// timeline.cpp: the launch model (latency on the device's clock, the host waits at syncs)
+struct Counters {
+  int64_t launches = 0;
+  int64_t bytes_to_device = 0;
+  int64_t bytes_to_host = 0;
+  int64_t syncs = 0;
+  double busy_s = 0;    // modelled device time: latency + kernel, over launches
+  double kernel_s = 0;  // measured time of the kernels alone
+};
+void launched(std::chrono::steady_clock::duration kernel, const char* what);
+void copied(int64_t nbytes, bool to_host);
+void wait(const char* reason);
+void set_latency_us(double us);
+double latency_us();
+Counters counters();
+void reset_counters();
 
 // choices.cpp: cpu's kernel for every op that has one and a composite (returns how many)
 int64_t register_cpu_kernels();

@@ -26,9 +26,11 @@ at::Tensor convolution(const at::Tensor& input, const at::Tensor& weight,
                        const std::optional<at::Tensor>& bias, c10::IntArrayRef stride,
                        c10::IntArrayRef padding, c10::IntArrayRef dilation, bool transposed,
                        c10::IntArrayRef output_padding, int64_t groups) {
-  return to_device(at::convolution(host_alias(input), host_alias(weight), host_or_none(bias),
-                                   stride, padding, dilation, transposed, output_padding,
-                                   groups));
+  const auto start = std::chrono::steady_clock::now();
+  auto out = at::convolution(host_alias(input), host_alias(weight), host_or_none(bias), stride,
+                             padding, dilation, transposed, output_padding, groups);
+  launched(std::chrono::steady_clock::now() - start, "convolution");
+  return to_device(out);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward(
@@ -43,9 +45,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward(
     sizes = {weight.size(transposed ? 1 : 0) * (transposed ? groups : 1)};
     bias_sizes = sizes;
   }
+  const auto start = std::chrono::steady_clock::now();
   auto [gi, gw, gb] = at::convolution_backward(
       host_alias(grad_output), host_alias(input), host_alias(weight), bias_sizes, stride,
       padding, dilation, transposed, output_padding, groups, output_mask);
+  launched(std::chrono::steady_clock::now() - start, "convolution_backward");
   return {device_or_undefined(gi), device_or_undefined(gw), device_or_undefined(gb)};
 }
 
