@@ -156,6 +156,14 @@ def _():
     return torch.equal(torch.randn(8, device="neuron", generator=g).cpu(),
                        torch.randn(8, generator=torch.Generator().manual_seed(3)))
 
+@check("tied parameters stay one parameter through .to()")
+def _():
+    m = nn.Sequential(nn.Embedding(4, 3), nn.Linear(3, 4, bias=False))
+    m[1].weight = m[0].weight
+    p = m[0].weight
+    m.to("neuron")
+    return m[1].weight is m[0].weight is p and p.device.type == "neuron"
+
 @check("save and load, to cpu and back to the device")
 def _():
     import io
@@ -266,6 +274,7 @@ def child():
     "attention and dropout take cpu's kernels",
     "ops with a cpu kernel and a decomposition run cpu's",
     "LSTM, GRU and their cells, with gradients",
+    "tied parameters stay one parameter through .to()",
     "save and load, to cpu and back to the device", "streams and events",
     "launches counted, latency paid on the device's clock at syncs",
     "the engine replays on the device, exact and fused", *_GAPS])

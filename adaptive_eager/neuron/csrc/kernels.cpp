@@ -77,9 +77,22 @@ at::Tensor& set_empty(at::Tensor& self) {
   return set_storage(self, std::move(empty), 0, {0}, {});
 }
 
+// ``module.to("neuron")`` moves each parameter in place (``param.data = moved``, which keeps
+// tied parameters one object) only when ATen calls the two tensors' types compatible for a
+// shallow copy; its list of dense backends leaves PrivateUse1 out. Dense cpu and neuron
+// tensors are compatible here, as cpu and cuda ones are.
+bool compatible(const at::Tensor& self, const at::Tensor& from) {
+  auto dense = [](const at::Tensor& t) {
+    return t.layout() == at::kStrided && (t.is_cpu() || t.is_privateuseone());
+  };
+  return self.unsafeGetTensorImpl()->has_compatible_shallow_copy_type(from.key_set()) ||
+         (dense(self) && dense(from));
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("_has_compatible_shallow_copy_type", compatible);
   m.impl("empty.memory_format", empty);
   m.impl("empty_strided", empty_strided);
   m.impl("_copy_from", copy_from);
