@@ -90,7 +90,7 @@ def _():
         return [m.weight, torch.rand(5, device=d), torch.randn(3, device=d)]
     return same(f)
 
-@check("errors as on cpu")
+@check("errors as on cpu, devices not mixed")
 def _():
     msgs = []
     for d in ("cpu", "neuron"):
@@ -98,7 +98,15 @@ def _():
             torch.ones(2, 3, device=d) @ torch.ones(2, 3, device=d)
         except RuntimeError as e:
             msgs.append(str(e))
-    return len(msgs) == 2 and msgs[0] == msgs[1]
+    a = torch.ones(2, 3, device="neuron")
+    try:
+        a + torch.ones(2, 3)
+        mixed = False
+    except RuntimeError as e:
+        mixed = "Expected all tensors to be on the same device" in str(e)
+    scalar = (a + torch.tensor(2.0)).cpu().tolist() == [[3.0] * 3] * 2
+    indexed = a[torch.tensor([1, 0])].shape == (2, 3)  # cpu indices, as on cuda
+    return len(msgs) == 2 and msgs[0] == msgs[1] and mixed and scalar and indexed
 
 @check("memory figures")
 def _():
@@ -270,7 +278,7 @@ def child():
     "plain tensors and native views", "compute ops equal cpu",
     "in-place on a strided view, out= with resize", "as_strided on an offset view",
     "autograd, conv with BatchNorm in train and eval", "AdamW (foreach) and random ops",
-    "errors as on cpu", "memory figures", "torch.Generator('neuron')",
+    "errors as on cpu, devices not mixed", "memory figures", "torch.Generator('neuron')",
     "attention and dropout take cpu's kernels",
     "ops with a cpu kernel and a decomposition run cpu's",
     "LSTM, GRU and their cells, with gradients",

@@ -71,8 +71,6 @@ def register(launch_us: float) -> None:
     """Load the extension and make it the ``neuron`` device, with ``launch_us`` of modelled
     latency per launch: PrivateUse1 renamed, the ``.neuron()`` methods generated,
     ``torch.neuron`` registered."""
-    import types
-
     ext = load()
     ext.register_cpu_kernels()
     ext.set_latency_us(launch_us)
@@ -84,25 +82,8 @@ def register(launch_us: float) -> None:
         torch.utils.rename_privateuse1_backend("neuron")
         torch.utils.generate_methods_for_privateuse1_backend(
             for_tensor=True, for_module=True, for_storage=True)
-    api = types.ModuleType("torch.neuron", "The emulated neuron device (C++ backend).")
-    api.is_available = lambda: True
-    api.device_count = lambda: 1
-    api.current_device = lambda: 0
-    api.set_device = lambda device: None
-    api.synchronize = lambda device=None: ext.synchronize()
-    api.memory_allocated = lambda device=None: ext.memory_allocated()
-    api.max_memory_allocated = lambda device=None: ext.max_memory_allocated()
-    api.reset_peak_memory_stats = lambda device=None: ext.reset_peak_memory_stats()
-    api.manual_seed_all = lambda seed: None  # the device draws from the CPU generator
-    api.get_rng_state = lambda device=None: torch.get_rng_state()
-    api.set_rng_state = lambda state, device=None: torch.set_rng_state(state)
-    api._is_in_bad_fork = lambda: False
-    api.Stream = lambda device=None, priority=0: torch.Stream("neuron", priority=priority)
-    api.Event = lambda enable_timing=False, blocking=False, interprocess=False: torch.Event(
-        "neuron", enable_timing=enable_timing, blocking=blocking, interprocess=interprocess)
-    api.current_stream = lambda device=None: torch.accelerator.current_stream()
-    api.stream = _StreamContext
-    api.device = _DeviceContext
+    from . import native_api as api
+
     torch._register_device_module("neuron", api)
     from . import rnn
 
@@ -110,35 +91,3 @@ def register(launch_us: float) -> None:
     _LIB = torch.library.Library("aten", "IMPL")
     rnn.register(ext, _LIB)
 
-
-class _StreamContext:
-    """``with torch.neuron.stream(s):`` -- ``s`` is the current stream inside."""
-
-    def __init__(self, stream):
-        self.stream = stream
-
-    def __enter__(self):
-        self.previous = torch.accelerator.current_stream()
-        if self.stream is not None:
-            torch.accelerator.set_stream(self.stream)
-        return self.stream
-
-    def __exit__(self, *exc):
-        torch.accelerator.set_stream(self.previous)
-
-
-class _DeviceContext:
-    """``with torch.neuron.device(i):`` -- one device, index 0."""
-
-    def __init__(self, device):
-        index = getattr(torch.device(device) if isinstance(device, str) else device, "index",
-                        device)
-        if index not in (None, 0, -1):
-            raise RuntimeError(f"neuron: device {device!r} does not exist (the emulated device "
-                               "has one, index 0)")
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

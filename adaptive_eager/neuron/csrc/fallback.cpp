@@ -56,6 +56,35 @@ bool on_device(const c10::IValue& v) {
   return v.isTensor() && v.toTensor().defined() && v.toTensor().is_privateuseone();
 }
 
+// cpu's kernels would take a cpu tensor beside the host aliases without complaint; on a
+// device, ATen refuses it (0-dim cpu tensors are scalars and welcome; indexing takes cpu
+// indices, as on cuda).
+void check_one_device(const c10::FunctionSchema& schema, const torch::jit::Stack& stack,
+                      size_t first) {
+  if (schema.name().rfind("aten::index", 0) == 0 || schema.name() == "aten::_index_put_impl_") {
+    return;
+  }
+  bool device = false, cpu = false;
+  auto see = [&](const at::Tensor& t) {
+    if (t.defined()) {
+      device |= t.is_privateuseone();
+      cpu |= t.is_cpu() && t.dim() > 0;
+    }
+  };
+  for (size_t i = first; i < stack.size(); ++i) {
+    const c10::IValue& v = stack[i];
+    if (v.isTensor()) {
+      see(v.toTensor());
+    } else if (v.isTensorList()) {
+      for (const at::Tensor& t : v.toTensorList().vec()) {
+        see(t);
+      }
+    }
+  }
+  TORCH_CHECK(!(device && cpu), "Expected all tensors to be on the same device, but found at "
+              "least two devices, neuron:0 and cpu! (", schema.name(), ")");
+}
+
 }  // namespace
 
 void run_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
@@ -69,6 +98,7 @@ void run_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   Aliases aliases;
   // device tensors written by the op (in-place, out=): host alias -> the device tensor
   std::vector<std::pair<at::Tensor, at::Tensor>> written;
+  check_one_device(schema, *stack, first);
   for (size_t i = 0; i < n; ++i) {
     c10::IValue& v = (*stack)[first + i];
     const auto* info = schema.arguments()[i].alias_info();

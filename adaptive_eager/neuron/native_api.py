@@ -1,0 +1,190 @@
+"""``torch.neuron`` for the C++ emulated device (NEURON_EMULATOR_IMPL=cpp): the surface of
+``torch.cuda`` and of ``api.py`` (the Python device's), over ``torch.accelerator`` and the
+extension. One device, index 0. The device draws random numbers from the CPU default
+generator (same seed, same numbers as cpu), so the seeding functions seed that generator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from . import native
+
+__all__ = [
+    "is_available", "is_initialized", "device_count", "current_device", "set_device", "device",
+    "get_device_name", "get_device_properties", "synchronize", "Stream", "Event",
+    "current_stream", "default_stream", "set_stream", "stream", "memory_allocated",
+    "max_memory_allocated", "reset_peak_memory_stats", "memory_stats", "empty_cache",
+    "manual_seed", "manual_seed_all", "seed", "initial_seed", "get_rng_state", "set_rng_state",
+    "get_amp_supported_dtype",
+]
+
+
+def is_available() -> bool:
+    return True
+
+
+def is_initialized() -> bool:
+    return True
+
+
+def _lazy_init() -> None:
+    pass
+
+
+def _is_in_bad_fork() -> bool:
+    return False
+
+
+def device_count() -> int:
+    return 1
+
+
+def current_device() -> int:
+    return 0
+
+
+def _check(device) -> None:
+    if isinstance(device, str):
+        device = torch.device(device)
+    index = device.index if isinstance(device, torch.device) else device
+    if index not in (None, 0, -1):
+        raise RuntimeError(f"neuron: device {device!r} does not exist (the emulated device has "
+                           "one, index 0)")
+
+
+def set_device(device) -> None:
+    _check(device)
+
+
+class device:  # noqa: N801 -- torch.cuda.device's name
+    """``with torch.neuron.device(i):`` -- one device, index 0."""
+
+    def __init__(self, device):
+        _check(device)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@dataclasses.dataclass(frozen=True)
+class NeuronDeviceProperties:
+    name: str
+    total_memory: int
+    launch_latency_us: float
+    emulated: bool = True
+
+
+def get_device_properties(device=None) -> NeuronDeviceProperties:
+    _check(device)
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = 0
+    return NeuronDeviceProperties("neuron (emulated on cpu, C++)", total,
+                                  native.load().latency_us())
+
+
+def get_device_name(device=None) -> str:
+    return get_device_properties(device).name
+
+
+def synchronize(device=None) -> None:
+    """Wait until the device's clock has passed its last launch."""
+    native.load().synchronize()
+
+
+def Stream(device=None, priority=0):  # noqa: N802 -- torch.cuda.Stream's name
+    _check(device)
+    return torch.Stream("neuron", priority=priority)
+
+
+def Event(enable_timing=False, blocking=False, interprocess=False):  # noqa: N802
+    return torch.Event("neuron", enable_timing=enable_timing, blocking=blocking,
+                       interprocess=interprocess)
+
+
+def current_stream(device=None):
+    _check(device)
+    return torch.accelerator.current_stream()
+
+
+def default_stream(device=None):
+    _check(device)
+    return torch.Stream(stream_id=0, device_index=0, device_type=torch.device("neuron").type)
+
+
+def set_stream(stream) -> None:
+    torch.accelerator.set_stream(stream)
+
+
+class stream:  # noqa: N801 -- torch.cuda.stream's name
+    """``with torch.neuron.stream(s):`` -- ``s`` is the current stream inside."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def __enter__(self):
+        self.previous = torch.accelerator.current_stream()
+        if self.stream is not None:
+            torch.accelerator.set_stream(self.stream)
+        return self.stream
+
+    def __exit__(self, *exc):
+        torch.accelerator.set_stream(self.previous)
+        return False
+
+
+def memory_allocated(device=None) -> int:
+    return torch.accelerator.memory_allocated(0)
+
+
+def max_memory_allocated(device=None) -> int:
+    return torch.accelerator.max_memory_allocated(0)
+
+
+def reset_peak_memory_stats(device=None) -> None:
+    torch.accelerator.reset_peak_memory_stats(0)
+
+
+def memory_stats(device=None) -> dict:
+    return torch.accelerator.memory_stats(0)
+
+
+def empty_cache() -> None:
+    """Nothing is cached: freed buffers return to the system at once."""
+
+
+def manual_seed(seed: int) -> None:
+    """Seeds the generator the device draws from: the CPU default generator."""
+    torch.default_generator.manual_seed(int(seed))
+
+
+def manual_seed_all(seed: int) -> None:
+    manual_seed(seed)
+
+
+def seed() -> None:
+    torch.default_generator.seed()
+
+
+def initial_seed() -> int:
+    return torch.default_generator.initial_seed()
+
+
+def get_rng_state(device="neuron") -> torch.Tensor:
+    return torch.default_generator.get_state()
+
+
+def set_rng_state(new_state: torch.Tensor, device="neuron") -> None:
+    torch.default_generator.set_state(new_state)
+
+
+def get_amp_supported_dtype():
+    return [torch.float16, torch.bfloat16, torch.float32]
