@@ -28,16 +28,23 @@ import functools
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-__all__ = ["install", "NODES", "REASON"]
+__all__ = ["install", "current", "NODES", "REASON"]
 
 # grad_fn names whose C++ formula branches on isTensorSubclassLike
 NODES = frozenset({"ProdBackward0", "ProdBackward1", "MaxBackward1", "MinBackward1",
-                   "MedianBackward0", "NanmedianBackward0"})
+                   "MedianBackward0", "NanmedianBackward0", "LinalgEigBackward0"})
 # the functions that create them: (namespace, name)
 _WRAPPED = [(ns, name) for ns in (torch, torch.Tensor)
             for name in ("prod", "max", "min", "median", "nanmedian")]
+_WRAPPED += [(torch.linalg, "eig")]
 REASON = "autograd formula that sees the mode: run as plain eager"
-_ORIGINALS: dict = {}
+_ORIGINALS: dict = {}  # (namespace, name) -> the original function
+_WRAPPERS: dict = {}  # the original function -> its wrapper, while installed
+
+
+def current(fn):
+    """What a program calling ``fn`` by its name gets now (the wrapper while installed)."""
+    return _WRAPPERS.get(fn, fn)
 
 
 def install(engine, on: bool) -> None:
@@ -46,11 +53,13 @@ def install(engine, on: bool) -> None:
         for ns, name in _WRAPPED:
             original = getattr(ns, name)
             _ORIGINALS[(ns, name)] = original
-            setattr(ns, name, _wrap(engine, original))
+            _WRAPPERS[original] = _wrap(engine, original)
+            setattr(ns, name, _WRAPPERS[original])
     elif not on and _ORIGINALS:
         for (ns, name), original in _ORIGINALS.items():
             setattr(ns, name, original)
         _ORIGINALS.clear()
+        _WRAPPERS.clear()
 
 
 def _wrap(engine, original):
@@ -89,7 +98,12 @@ def _plain_backward(engine, node) -> None:
         if not plain:
             return None
         res = plain.pop()
-        return res if isinstance(res, tuple) else (res,)
+        res = res if isinstance(res, tuple) else (res,)
+        if len(res) != len(grad_inputs) or any(
+                (a is None) != (b is None) or (a is not None and a.shape != b.shape)
+                for a, b in zip(res, grad_inputs)):
+            return None  # not the node's own answer: keep the one computed under the mode
+        return res
 
     node.register_prehook(pre)
     node.register_hook(post)

@@ -152,11 +152,12 @@ def _call(op, copied):
 
 
 def _as_called_now(fn):
-    """What a program calling ``torch.<name>`` gets now: the engine wraps a few functions
+    """What a program calling ``fn`` by its name gets now: the engine wraps a few functions
     while it is enabled (adaptive_eager/formulas.py), and the OpInfo holds the function it
     found when op_db was imported."""
-    now = getattr(torch, getattr(fn, "__name__", ""), None)
-    return now if getattr(now, "__wrapped__", None) is fn else fn
+    from adaptive_eager import formulas
+
+    return formulas.current(fn)
 
 
 def _sample_step(op, copied, grad_outs):
