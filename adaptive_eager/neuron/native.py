@@ -4,7 +4,7 @@ The extension is compiled once per torch version and source revision, into
 ``~/.cache/adaptive_eager/neuron-<torch version>-<source hash>`` (``NEURON_EMULATOR_BUILD_DIR``
 overrides the parent directory); a later process loads the built library in well under a
 second. The first build takes a minute or two and says so in one line on stderr. Without a C++
-compiler the error is one line naming what to install.
+compiler or ninja the error is one line naming what to install.
 
 Loading registers the device with PyTorch: PrivateUse1 kernels, its allocator, guard and
 hooks. A process can hold one PrivateUse1 backend, so this cannot be loaded beside the Python
@@ -51,6 +51,10 @@ def load():
                            f"{compiler!r} is not on PATH; install g++ (e.g. apt install g++)")
     from torch.utils import cpp_extension
 
+    if not cpp_extension.is_ninja_available():
+        raise RuntimeError("adaptive_eager.neuron: the C++ device is built with ninja, which is "
+                           "not on PATH; install it (pip install ninja, or apt install "
+                           "ninja-build)")
     where = build_dir()
     built = any(where.glob("*.so")) if where.exists() else False
     where.mkdir(parents=True, exist_ok=True, mode=0o700)
