@@ -120,8 +120,9 @@ class NativeNeuronQueue(Queue):
     compute_device = torch.device("cpu")
 
     def __init__(self):
-        from adaptive_eager.neuron import native
+        from adaptive_eager.neuron import device_kernels, native
 
+        self.kernels = device_kernels.KERNELS
         self._ext = native.load()
         self._alias = self._ext.host_alias
 

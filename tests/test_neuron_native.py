@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -129,6 +130,12 @@ def _():
         y.sum().backward()
         return [y, x.grad, torch.native_channel_shuffle(torch.randn(1, 4, 2, 2).to(d), 2)]
     return same(f)
+
+@check("histc counts integers, as on an accelerator")
+def _():
+    x = torch.tensor([0, 1, 1, 3, 3, 3], dtype=torch.int32)
+    got = torch.histc(x.to("neuron"), bins=4, min=0, max=3)
+    return got.dtype == torch.int32 and got.cpu().tolist() == [1, 2, 0, 3]
 
 @check("LSTM, GRU and their cells, with gradients")
 def _():
@@ -274,18 +281,7 @@ def child():
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("name", [
-    "plain tensors and native views", "compute ops equal cpu",
-    "in-place on a strided view, out= with resize", "as_strided on an offset view",
-    "autograd, conv with BatchNorm in train and eval", "AdamW (foreach) and random ops",
-    "errors as on cpu, devices not mixed", "memory figures", "torch.Generator('neuron')",
-    "attention and dropout take cpu's kernels",
-    "ops with a cpu kernel and a decomposition run cpu's",
-    "LSTM, GRU and their cells, with gradients",
-    "tied parameters stay one parameter through .to()",
-    "save and load, to cpu and back to the device", "streams and events",
-    "launches counted, latency paid on the device's clock at syncs",
-    "the engine replays on the device, exact and fused", *_GAPS])
+@pytest.mark.parametrize("name", re.findall(r'@check\("(.+?)"\)', _CHILD))
 def test_cpp_device(child, name):
     if name in _GAPS:
         if child[name] is True:

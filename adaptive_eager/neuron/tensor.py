@@ -38,7 +38,7 @@ import functools
 
 import torch
 
-from . import hardware
+from . import device_kernels, hardware
 
 __all__ = ["NeuronTensor", "wrap", "empty_strided", "copy_into"]
 
@@ -186,17 +186,9 @@ def _route(func):
 _KERNEL_NAMESPACES = frozenset({"aten", "prims"})
 
 
-def _histc(self, bins=100, min=0, max=0):
-    # Accelerators count integer inputs too (Hugging Face MoE layers rely on it off the CPU);
-    # the CPU kernel has floating types only. Counting in float64 is exact for them.
-    if self.is_floating_point():
-        return aten.histc.default(self, bins, min, max)
-    return aten.histc.default(self.double(), bins, min, max).to(self.dtype)
-
-
 # The device's kernels where they differ from the CPU's: the op's meaning on an accelerator,
 # run on the backing tensors. The engine's replays of this device use them too.
-DEVICE_KERNELS = {aten.histc.default: _histc}
+DEVICE_KERNELS = device_kernels.KERNELS
 
 
 # Not views by their schema, but the CPU kernel returns an alias of the input (the engine's

@@ -4,6 +4,7 @@
 #include "neuron.h"
 
 #include <ATen/ops/_fused_sdp_choice.h>
+#include <ATen/ops/histc.h>
 #include <ATen/ops/_scaled_dot_product_attention_math.h>
 #include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu.h>
 #include <ATen/ops/scalar_tensor.h>
@@ -76,7 +77,25 @@ at::Tensor& dropout_(at::Tensor& input, double p, bool train) {
   return input;
 }
 
+// histc: accelerators count integer inputs too (Hugging Face MoE layers rely on it off the
+// cpu); cpu's kernel has floating types only. Counting in float64 is exact for them (the
+// same as device_kernels.py, which the engine's replays use).
+at::Tensor histc(const at::Tensor& self, int64_t bins, const at::Scalar& min,
+                 const at::Scalar& max) {
+  at::Tensor host = host_alias(self);
+  const auto start = std::chrono::steady_clock::now();
+  at::Tensor out = self.is_floating_point()
+                       ? at::histc(host, bins, min, max)
+                       : at::histc(host.to(at::kDouble), bins, min, max).to(self.scalar_type());
+  launched(std::chrono::steady_clock::now() - start, "histc");
+  return to_device(out);
+}
+
 }  // namespace
+
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("histc", histc);
+}
 
 // Ops with a CPU kernel *and* a composite one (CompositeImplicitAutograd, or
 // CompositeExplicitAutograd[NonFunctional]): every device but cpu gets the composite. Some
