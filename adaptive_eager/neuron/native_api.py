@@ -12,6 +12,9 @@ import os
 import torch
 
 from . import native
+from .api import (  # noqa: F401 -- the same on both devices: the CPU default generator
+    get_amp_supported_dtype, get_rng_state, initial_seed, manual_seed, manual_seed_all, seed,
+    set_rng_state)
 
 __all__ = [
     "is_available", "is_initialized", "device_count", "current_device", "set_device", "device",
@@ -159,32 +162,3 @@ def memory_stats(device=None) -> dict:
 
 def empty_cache() -> None:
     """Nothing is cached: freed buffers return to the system at once."""
-
-
-def manual_seed(seed: int) -> None:
-    """Seeds the generator the device draws from: the CPU default generator."""
-    torch.default_generator.manual_seed(int(seed))
-
-
-def manual_seed_all(seed: int) -> None:
-    manual_seed(seed)
-
-
-def seed() -> None:
-    torch.default_generator.seed()
-
-
-def initial_seed() -> int:
-    return torch.default_generator.initial_seed()
-
-
-def get_rng_state(device="neuron") -> torch.Tensor:
-    return torch.default_generator.get_state()
-
-
-def set_rng_state(new_state: torch.Tensor, device="neuron") -> None:
-    torch.default_generator.set_state(new_state)
-
-
-def get_amp_supported_dtype():
-    return [torch.float16, torch.bfloat16, torch.float32]

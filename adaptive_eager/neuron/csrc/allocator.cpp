@@ -22,6 +22,16 @@ using c10::CachingDeviceAllocator::DeviceStats;
 std::mutex lock;
 DeviceStats stats;  // guarded by lock
 
+// The aggregate entry of every stat this allocator keeps (the caller holds lock).
+template <typename Fn>
+void each_stat(Fn fn) {
+  for (auto* array : {&stats.allocated_bytes, &stats.reserved_bytes, &stats.active_bytes,
+                      &stats.requested_bytes, &stats.allocation, &stats.segment,
+                      &stats.active}) {
+    fn((*array)[0]);  // StatType::AGGREGATE
+  }
+}
+
 void count(size_t nbytes, bool allocated) {
   std::lock_guard<std::mutex> guard(lock);
   for (auto* array : {&stats.allocated_bytes, &stats.reserved_bytes, &stats.active_bytes,
@@ -99,21 +109,13 @@ struct Allocator final : c10::DeviceAllocator {
 
   void resetAccumulatedStats(c10::DeviceIndex) override {
     std::lock_guard<std::mutex> guard(lock);
-    for (auto* array : {&stats.allocated_bytes, &stats.reserved_bytes, &stats.active_bytes,
-                        &stats.requested_bytes, &stats.allocation, &stats.segment,
-                        &stats.active}) {
-      (*array)[0].reset_accumulated();
-    }
+    each_stat([](auto& stat) { stat.reset_accumulated(); });
     stats.num_device_alloc = stats.num_device_free = 0;
   }
 
   void resetPeakStats(c10::DeviceIndex) override {
     std::lock_guard<std::mutex> guard(lock);
-    for (auto* array : {&stats.allocated_bytes, &stats.reserved_bytes, &stats.active_bytes,
-                        &stats.requested_bytes, &stats.allocation, &stats.segment,
-                        &stats.active}) {
-      (*array)[0].reset_peak();
-    }
+    each_stat([](auto& stat) { stat.reset_peak(); });
   }
 };
 

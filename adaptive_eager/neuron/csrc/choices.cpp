@@ -18,13 +18,6 @@
 namespace neuron {
 namespace {
 
-std::optional<at::Tensor> host_or_none(const std::optional<at::Tensor>& t) {
-  if (!t || !t->defined()) {
-    return std::nullopt;
-  }
-  return host_alias(*t);
-}
-
 // scaled_dot_product_attention: ATen asks a per-device stub which kernel to use. cpu's
 // choice depends on shapes, dtypes and flags only (no data is read), so it is asked on host
 // aliases; where cpu fuses, the device issues cpu's fused op with the mask as cpu prepares it.

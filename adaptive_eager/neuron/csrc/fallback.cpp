@@ -191,6 +191,13 @@ at::Tensor host_alias(const at::Tensor& t) {
 
 // A fresh result of a CPU kernel as a device tensor: its memory adopted by the device when
 // it is the CPU allocator's own and nothing else holds it (no copy), else copied.
+std::optional<at::Tensor> host_or_none(const std::optional<at::Tensor>& t) {
+  if (!t || !t->defined()) {
+    return std::nullopt;
+  }
+  return host_alias(*t);
+}
+
 at::Tensor to_device(const at::Tensor& host) {
   if (host.storage().use_count() == 1 && adopt(host.storage())) {
     return over(host.storage(), c10::DispatchKey::PrivateUse1, host);

@@ -23,6 +23,7 @@ bool adopt(const c10::Storage& storage);
 // neuron tensor with a fresh CPU tensor's sizes, strides and values (its memory adopted, or
 // one copy)
 at::Tensor host_alias(const at::Tensor& t);
+std::optional<at::Tensor> host_or_none(const std::optional<at::Tensor>& t);  // undefined: none
 at::Tensor to_device(const at::Tensor& host);
 // the boxed kernel every op without one of the device's own runs: cpu's on host aliases
 void run_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack);

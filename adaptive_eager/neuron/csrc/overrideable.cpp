@@ -10,13 +10,6 @@
 namespace neuron {
 namespace {
 
-std::optional<at::Tensor> host_or_none(const std::optional<at::Tensor>& t) {
-  if (!t || !t->defined()) {
-    return std::nullopt;
-  }
-  return host_alias(*t);
-}
-
 at::Tensor device_or_undefined(const at::Tensor& host) {
   return host.defined() ? to_device(host) : at::Tensor();
 }
