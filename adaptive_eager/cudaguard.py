@@ -55,13 +55,18 @@ def _owner(name: str):
     return obj
 
 
-def install(flush) -> None:
-    """Wrap the entry points (once per process). ``flush(reason)`` launches what the
+# ``torch.accelerator``'s own, for a device whose API module flushes itself (the C++
+# emulated neuron device, native_api.py).
+ACCELERATOR_POINTS = tuple(p for p in POINTS if p[0] == "torch.accelerator")
+
+
+def install(flush, points=POINTS) -> None:
+    """Wrap the entry points (each once per process). ``flush(reason)`` launches what the
     calling thread's engine defers."""
     with _lock:
-        if _ORIGINAL:
-            return
-        for owner_name, attr, reason in POINTS:
+        for owner_name, attr, reason in points:
+            if (owner_name, attr) in _ORIGINAL:
+                continue
             owner = _owner(owner_name)
             original = getattr(owner, attr, None)
             if original is None:  # an older torch without it

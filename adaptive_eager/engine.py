@@ -69,6 +69,12 @@ class Engine:
 
                 hardware.add_flush_hook(self._flush_for_device)
                 readguard.install(self, NeuronTensor)  # its own __repr__, tolist, ...
+            elif neuron.is_native():
+                # the C++ emulator: torch.neuron flushes through the same hooks
+                from adaptive_eager.neuron import hardware
+
+                hardware.add_flush_hook(self._flush_for_device)
+                cudaguard.install(self._flush_for_device, cudaguard.ACCELERATOR_POINTS)
         if "cuda" in config.devices:
             cudaguard.install(self._flush_for_device)
         self._install_hooks()

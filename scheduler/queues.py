@@ -112,10 +112,13 @@ class NeuronQueue(Queue):
 
 
 class NativeNeuronQueue(Queue):
-    """The emulated neuron device as a C++ backend (NEURON_EMULATOR_IMPL=cpp): a launch runs
-    at once, on the calling thread, over host aliases of the device's memory (no copy), so
-    replays and fused graphs run cpu's kernels as the device's own ops do."""
+    """The emulated neuron device as a C++ backend (NEURON_EMULATOR_IMPL=cpp): one launch on
+    the device's queue per submission, run by its worker over host aliases of the device's
+    memory (no copy), as the device's own ops are; an error it raises is re-raised at the next
+    sync point."""
 
+    launch_early = True
+    asynchronous = True
     host_views = True
     compute_device = torch.device("cpu")
 
@@ -127,17 +130,20 @@ class NativeNeuronQueue(Queue):
         self._alias = self._ext.host_alias
 
     def prepare(self, x):
-        if isinstance(x, torch.Tensor) and x.device.type == "neuron":
-            return self._alias(x)
+        if isinstance(x, torch.Tensor):
+            if x.device.type == "neuron":
+                return self._alias(x)
+            return x.detach().clone()  # a host tensor: read now, as eager would have
         return x
 
-    def submit(self, fn, *args) -> None:
-        start = time.perf_counter()
-        fn(*args)
-        self._ext.launched_us((time.perf_counter() - start) * 1e6)  # one launch on its clock
+    def submit(self, fn, *args) -> bool:
+        ext = self._ext
+        waited = ext.wait_below(self.depth)
+        ext.launch(lambda: fn(*args), "adaptive_eager graph")
+        return waited
 
     def synchronize(self) -> None:
-        self._ext.synchronize()
+        self._ext.wait("adaptive_eager.synchronize")
 
 
 class CudaQueue(Queue):

@@ -47,7 +47,7 @@ def is_emulated() -> bool:
 
 
 def is_native() -> bool:
-    """Is the emulated device the C++ backend (plain tensors, kernels on the calling thread)?"""
+    """Is the emulated device the C++ backend (plain tensors, a C++ queue and worker)?"""
     ensure()
     return _NATIVE
 
@@ -70,11 +70,15 @@ def counters(index: int = 0):
         from .hardware import Counters
 
         ext = native.load()
-        ext.synchronize()
+        ext.wait("counters")
         c = ext.counters()
-        return Counters(launches=int(c["launches"]), bytes_to_device=int(c["bytes_to_device"]),
+        return Counters(launches=int(c["launches"]),
+                        launches_by_stream=ext.launches_by_stream(),
+                        bytes_to_device=int(c["bytes_to_device"]),
                         bytes_to_host=int(c["bytes_to_host"]), syncs=int(c["syncs"]),
-                        busy_s=c["busy_s"], kernel_s=c["kernel_s"])
+                        syncs_by_reason=ext.syncs_by_reason(), busy_s=c["busy_s"],
+                        kernel_s=c["kernel_s"],
+                        skipped_after_error=int(c["skipped_after_error"]))
     d = _device(index)
     d.synchronize("counters")
     return copy.deepcopy(d.counters)

@@ -13,6 +13,7 @@ emulator (``emulator.py``); ``register`` chooses.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import os
 import shutil
@@ -25,7 +26,7 @@ __all__ = ["load", "register", "build_dir", "SOURCES"]
 
 _CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("allocator.cpp", "device.cpp", "kernels.cpp", "fallback.cpp", "overrideable.cpp",
-           "generator.cpp", "choices.cpp", "timeline.cpp", "module.cpp")
+           "generator.cpp", "choices.cpp", "plan.cpp", "timeline.cpp", "queue.cpp", "module.cpp")
 _module = None
 _LIB = None  # the Python kernels' registrations (kept alive)
 
@@ -68,7 +69,17 @@ def load():
         extra_cflags=["-O2", "-std=c++17"],
         verbose=False,
     )
+    atexit.register(_drain_at_exit)
     return _module
+
+
+def _drain_at_exit() -> None:
+    # queued launches of Python code need the interpreter: they run before it goes
+    try:
+        _module.wait("exit")
+    except Exception as e:  # an error nobody synchronized for: said, not raised at exit
+        print(f"adaptive_eager.neuron: a launch failed after the last sync: {e}",
+              file=sys.stderr)
 
 
 def register(launch_us: float) -> None:
@@ -87,8 +98,10 @@ def register(launch_us: float) -> None:
         torch.utils.generate_methods_for_privateuse1_backend(
             for_tensor=True, for_module=True, for_storage=True)
     from . import native_api as api
+    from .hardware import flush
 
     torch._register_device_module("neuron", api)
+    ext.set_flush_hook(flush)  # events and streams order the queue: the engine launches first
     from . import rnn
 
     global _LIB

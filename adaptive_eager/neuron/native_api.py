@@ -12,6 +12,7 @@ import os
 import torch
 
 from . import native
+from .hardware import flush  # the engine launches what it defers before the queue is ordered
 from .api import (  # noqa: F401 -- the same on both devices: the CPU default generator
     get_amp_supported_dtype, get_rng_state, initial_seed, manual_seed, manual_seed_all, seed,
     set_rng_state)
@@ -100,9 +101,12 @@ def get_device_name(device=None) -> str:
 
 def synchronize(device=None) -> None:
     """Wait until the device's clock has passed its last launch."""
-    native.load().synchronize()
+    flush("torch.neuron.synchronize")
+    native.load().wait("torch.neuron.synchronize")
 
 
+# Streams and events are torch's own; the device's guard calls the engine's flush hook
+# before an event or a stream orders or waits on the queue (module.cpp ``set_flush_hook``).
 def Stream(device=None, priority=0):  # noqa: N802 -- torch.cuda.Stream's name
     _check(device)
     return torch.Stream("neuron", priority=priority)
@@ -124,6 +128,7 @@ def default_stream(device=None):
 
 
 def set_stream(stream) -> None:
+    flush("stream change")
     torch.accelerator.set_stream(stream)
 
 
@@ -136,10 +141,12 @@ class stream:  # noqa: N801 -- torch.cuda.stream's name
     def __enter__(self):
         self.previous = torch.accelerator.current_stream()
         if self.stream is not None:
+            flush("stream change")
             torch.accelerator.set_stream(self.stream)
         return self.stream
 
     def __exit__(self, *exc):
+        flush("stream change")
         torch.accelerator.set_stream(self.previous)
         return False
 

@@ -25,6 +25,7 @@ _OPS = {"lstm.input": 3, "lstm.data": 4, "gru.input": 3, "gru.data": 4,
 class _OnHost(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ext, call, *tensors):
+        ext.wait("recurrent layer")  # it runs here, on the host: what is queued runs first
         hosts = [ext.host_alias(t).detach().requires_grad_(t.requires_grad) for t in tensors]
         start = time.perf_counter()
         with torch.enable_grad():
@@ -39,6 +40,7 @@ class _OnHost(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         ext = ctx.ext
+        ext.wait("recurrent layer backward")
         pairs = [(o, ext.host_alias(g)) for o, g in zip(ctx.outs, grads)
                  if g is not None and o.requires_grad]
         wanted = [h for h in ctx.hosts if h.requires_grad]

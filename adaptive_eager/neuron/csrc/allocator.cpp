@@ -51,17 +51,21 @@ struct Block {
   size_t nbytes;
 };
 
+// Freeing waits for the launches queued before it (queue.cpp): they may still read or write
+// the block, and nothing queued later can (the storage that held it is gone).
 void release(void* ctx) {
   auto* block = static_cast<Block*>(ctx);
-  c10::free_cpu(block->ptr);
-  count(block->nbytes, false);
-  delete block;
+  after_queued([block] {
+    c10::free_cpu(block->ptr);
+    count(block->nbytes, false);
+    delete block;
+  });
 }
 
 // Blocks a CPU kernel allocated that became device memory (``adopt``): pointer -> size.
 std::unordered_map<void*, size_t> adopted;  // guarded by lock
 
-void release_adopted(void* ptr) {
+void release_adopted_now(void* ptr) {
   size_t nbytes = 0;
   {
     std::lock_guard<std::mutex> guard(lock);
@@ -71,6 +75,10 @@ void release_adopted(void* ptr) {
   }
   count(nbytes, false);
   c10::free_cpu(ptr);
+}
+
+void release_adopted(void* ptr) {
+  after_queued([ptr] { release_adopted_now(ptr); });
 }
 
 struct Allocator final : c10::DeviceAllocator {
@@ -99,10 +107,14 @@ struct Allocator final : c10::DeviceAllocator {
 
   void emptyCache(c10::MempoolId_t) override {}
 
-  // Kernels run on the calling thread: a freed block is free of every stream at once.
+  // One queue runs every stream's launches in order, and a launch holds the storages it uses:
+  // a freed block is free of every stream at once.
   void recordStream(const c10::DataPtr&, c10::Stream) override {}
 
+  // Memory a queued launch holds is freed when it has run: the figures wait for the queue,
+  // so that they say what a program that synchronized would see.
   DeviceStats getDeviceStats(c10::DeviceIndex) override {
+    wait("memory stats");
     std::lock_guard<std::mutex> guard(lock);
     return stats;
   }
@@ -128,11 +140,13 @@ c10::Allocator* allocator() {
 }
 
 int64_t memory_allocated() {
+  wait("memory stats");
   std::lock_guard<std::mutex> guard(lock);
   return stats.allocated_bytes[0].current;
 }
 
 int64_t max_memory_allocated() {
+  wait("memory stats");
   std::lock_guard<std::mutex> guard(lock);
   return stats.allocated_bytes[0].peak;
 }

@@ -75,6 +75,7 @@ at::Tensor& dropout_(at::Tensor& input, double p, bool train) {
 // same as device_kernels.py, which the engine's replays use).
 at::Tensor histc(const at::Tensor& self, int64_t bins, const at::Scalar& min,
                  const at::Scalar& max) {
+  wait("histc");
   at::Tensor host = host_alias(self);
   const auto start = std::chrono::steady_clock::now();
   at::Tensor out = self.is_floating_point()

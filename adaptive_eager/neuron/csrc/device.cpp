@@ -15,7 +15,6 @@ namespace neuron {
 namespace {
 
 constexpr c10::DeviceType kType = c10::DeviceType::PrivateUse1;
-using Clock = std::chrono::steady_clock;
 
 thread_local c10::StreamId current_stream = 0;
 std::atomic<c10::StreamId> last_stream{0};
@@ -35,8 +34,8 @@ struct Guard final : c10::impl::DeviceGuardImplInterface {
                 " does not exist (the emulated device has one, index 0)");
   }
   void uncheckedSetDevice(c10::Device) const noexcept override {}
-  // Streams are labels while kernels run synchronously: each new one gets an id, and each
-  // thread has a current one (the default, id 0, until set).
+  // Streams share the device's one queue (queue.cpp): each new one gets an id, and each
+  // thread has a current one (the default, id 0, until set); launches count per stream.
   c10::Stream getStream(c10::Device d) const noexcept override {
     return c10::Stream(c10::Stream::UNSAFE, c10::Device(kType, 0), current_stream);
   }
@@ -51,40 +50,53 @@ struct Guard final : c10::impl::DeviceGuardImplInterface {
   c10::Stream getStreamFromGlobalPool(c10::Device d, bool high_priority) const override {
     return getNewStream(d, 0);
   }
-  // An event completes when it is recorded (the work before it has run); it keeps the time.
+  // An event is a marker in the queue: reached when the launches before it have run and the
+  // device clock has passed them.
   void record(void** event, const c10::Stream&, const c10::DeviceIndex,
               const c10::EventFlag) const override {
+    flush("Event.record");
+    auto marker = record_marker();
     if (*event == nullptr) {
-      *event = new Clock::time_point();
+      *event = new std::shared_ptr<Marker>(std::move(marker));
+    } else {
+      *static_cast<std::shared_ptr<Marker>*>(*event) = std::move(marker);
     }
-    *static_cast<Clock::time_point*>(*event) = Clock::now();
   }
-  void block(void*, const c10::Stream&) const override {}
-  bool queryEvent(void*) const override {
-    return true;
+  // One queue runs launches in issue order: a stream waiting on an event already does.
+  void block(void*, const c10::Stream&) const override {
+    flush("Event.wait");
   }
-  void synchronizeEvent(void*) const override {
-    wait("event synchronize");
+  bool queryEvent(void* event) const override {
+    flush("Event.query");
+    return event == nullptr || marker_reached(**static_cast<std::shared_ptr<Marker>*>(event));
+  }
+  void synchronizeEvent(void* event) const override {
+    flush("Event.synchronize");
+    if (event != nullptr) {
+      wait_marker(**static_cast<std::shared_ptr<Marker>*>(event));
+    }
   }
   void destroyEvent(void* event, const c10::DeviceIndex) const noexcept override {
-    delete static_cast<Clock::time_point*>(event);
+    delete static_cast<std::shared_ptr<Marker>*>(event);
   }
   double elapsedTime(void* start, void* end, const c10::DeviceIndex) const override {
     TORCH_CHECK(start && end, "neuron: both events must be recorded before elapsed_time()");
-    auto d = *static_cast<Clock::time_point*>(end) - *static_cast<Clock::time_point*>(start);
-    return std::chrono::duration<double, std::milli>(d).count();
+    return marker_ms_between(**static_cast<std::shared_ptr<Marker>*>(start),
+                             **static_cast<std::shared_ptr<Marker>*>(end));
   }
   c10::DeviceIndex deviceCount() const noexcept override {
     return 1;
   }
-  // Kernels run on the calling thread; the host waits for the device's clock (timeline.cpp).
   void synchronizeDevice(c10::DeviceIndex) const override {
+    flush("synchronize");
     wait("synchronize");
   }
   bool queryStream(const c10::Stream&) const override {
-    return true;
+    flush("Stream.query");
+    return device_query();
   }
   void synchronizeStream(const c10::Stream&) const override {
+    flush("Stream.synchronize");
     wait("stream synchronize");
   }
 };
@@ -116,6 +128,7 @@ struct Hooks final : at::PrivateUse1HooksInterface {
   void resizePrivateUse1Bytes(const c10::Storage& storage, size_t nbytes) const override {
     auto* impl = storage.unsafeGetStorageImpl();
     TORCH_CHECK(impl->resizable(), "Trying to resize storage that is not resizable");
+    wait("storage resize");  // queued launches may still read or write the old block
     at::DataPtr fresh = allocator()->allocate(nbytes);
     size_t keep = std::min(nbytes, impl->nbytes());
     if (keep > 0) {
@@ -133,4 +146,9 @@ const bool registered = [] {
 }();
 
 }  // namespace
+
+int64_t current_stream_id() {
+  return current_stream;
+}
+
 }  // namespace neuron

@@ -1,17 +1,28 @@
-// Every op without a kernel of the device's own runs ATen's CPU kernel on the device's memory.
+// Every op without a kernel of the device's own runs ATen's CPU kernel on the device's memory,
+// as one launch on the device's queue (queue.cpp).
 //
-// Each neuron tensor argument is replaced by a host alias: a CPU tensor over the same bytes
-// (one CPU storage per device storage, so two arguments sharing memory still share it, and
-// ATen's overlap checks see what they see on cpu). In-place and ``out=`` results are then
-// written straight into device memory; a fresh result is allocated on the device with the
-// CPU result's sizes and strides and filled from it. View results never come here (a view
-// op without a kernel in kernels.cpp is an error naming it, never a silent copy).
+// Issuing (host): the op's plan (plan.cpp: its meta kernel's answer, cached) says what it
+// returns without reading a value. Fresh results are allocated on the device from the plan,
+// written arguments are returned as themselves, and the launch is queued.
+// Running (worker): each neuron tensor argument is replaced by a host alias, a CPU tensor
+// over the same bytes (one CPU storage per device storage, so two arguments sharing memory
+// still share it, and ATen's overlap checks see what they see on cpu). In-place and ``out=``
+// results are written straight into device memory; fresh ones are copied into the planned
+// outputs.
+//
+// Where the plan cannot be made without the values, the op runs at once instead, after the
+// queue has drained (a sync point, counted with its reason): ops that are not plannable
+// (plan.cpp), ops returning a value that is not a tensor, and random ops (the device draws from the CPU generator, which the host shares).
+// View results never come here (a view op without a kernel in kernels.cpp is an error naming
+// it, never a silent copy).
 #include "neuron.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/EmptyTensor.h>
 #include <c10/core/CPUAllocator.h>
 #include <torch/library.h>
 
+#include <cstring>
 #include <unordered_map>
 
 namespace neuron {
@@ -87,18 +98,14 @@ void check_one_device(const c10::FunctionSchema& schema, const torch::jit::Stack
 
 }  // namespace
 
-void run_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+// The op at once, on the calling thread, once the queue has drained.
+void run_now(const c10::OperatorHandle& op, torch::jit::Stack* stack, const char* reason) {
   const auto& schema = op.schema();
-  for (const auto& r : schema.returns()) {
-    TORCH_CHECK(!r.alias_info() || r.alias_info()->isWrite(), "neuron: ", schema.name(),
-                " returns a view and has no device kernel");
-  }
   const size_t n = schema.arguments().size();
   const size_t first = stack->size() - n;
   Aliases aliases;
   // device tensors written by the op (in-place, out=): host alias -> the device tensor
   std::vector<std::pair<at::Tensor, at::Tensor>> written;
-  check_one_device(schema, *stack, first);
   for (size_t i = 0; i < n; ++i) {
     c10::IValue& v = (*stack)[first + i];
     const auto* info = schema.arguments()[i].alias_info();
@@ -136,15 +143,7 @@ void run_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       v = c10::IValue(c10::Device(c10::kCPU));
     }
   }
-  // an op that returns a value that is not a tensor reads device memory: the host waits
-  bool reads = false;
-  for (const auto& r : schema.returns()) {
-    auto kind = r.type()->kind();
-    reads |= kind != c10::TypeKind::TensorType && kind != c10::TypeKind::ListType;
-  }
-  if (reads) {
-    wait(schema.name().c_str());
-  }
+  wait(std::string(reason) + ": " + schema.name());
   // a factory's device lives in its TensorOptions: run it on cpu, return it on the device
   const auto start = std::chrono::steady_clock::now();
   {
@@ -184,10 +183,208 @@ void run_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   }
 }
 
+namespace {
+
+// What the fallback needs to know of an op, from its schema, once per op.
+struct Traits {
+  bool view = false;    // returns a view of an argument
+  bool reads = false;   // returns a value that is not a tensor: the host reads device memory
+  bool random = false;  // takes a generator
+};
+
+const Traits& traits_of(const c10::FunctionSchema& schema) {
+  thread_local std::unordered_map<const c10::FunctionSchema*, Traits> known;
+  auto it = known.find(&schema);
+  if (it != known.end()) {
+    return it->second;
+  }
+  Traits t;
+  for (const auto& r : schema.returns()) {
+    t.view |= r.alias_info() && !r.alias_info()->isWrite();
+    auto kind = r.type()->kind();
+    t.reads |= kind != c10::TypeKind::TensorType && kind != c10::TypeKind::ListType;
+  }
+  for (const auto& a : schema.arguments()) {
+    auto type = a.type();
+    if (auto opt = type->castRaw<c10::OptionalType>()) {
+      type = opt->getElementType();
+    }
+    t.random |= type->kind() == c10::TypeKind::GeneratorType;
+  }
+  return known.emplace(&schema, t).first->second;
+}
+
+// Where the launch puts a fresh result: return ``index`` (element ``element`` of a list).
+struct Fresh {
+  size_t index;
+  int64_t element;  // -1: the return is a tensor
+  at::Tensor dest;  // a host alias of the planned device tensor (not owning it: Note below)
+};
+
+// The launch, on the worker: cpu's kernel on host aliases, fresh results into the plan.
+struct HostCall {
+  c10::OperatorHandle op;
+  // Host aliases, cpu values snapshotted. A launch does not own the device's storages: the
+  // program's tensors die when the program drops them, as in eager (the engine reads their
+  // liveness), and the allocator defers freeing their memory until the launches queued before
+  // the free have run (allocator.cpp).
+  torch::jit::Stack args;
+  std::vector<Fresh> fresh;
+
+  void operator()() {
+    {
+      at::AutoDispatchBelowADInplaceOrView guard;
+      op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &args);
+    }
+    const size_t out0 = args.size() - op.schema().returns().size();
+    for (const Fresh& f : fresh) {
+      const c10::IValue& v = args[out0 + f.index];
+      at::Tensor got = f.element < 0 ? v.toTensor() : v.toTensorList().get(f.element);
+      TORCH_CHECK(got.sizes() == f.dest.sizes() && got.scalar_type() == f.dest.scalar_type(),
+                  "neuron: ", op.schema().name(), ": cpu's kernel returned ", got.sizes(), " ",
+                  got.scalar_type(), " where its meta kernel planned ", f.dest.sizes(), " ",
+                  f.dest.scalar_type());
+      if (got.strides() == f.dest.strides() && got.is_contiguous()) {
+        std::memcpy(f.dest.data_ptr(), got.const_data_ptr(), got.nbytes());
+      } else {
+        f.dest.copy_(got);
+      }
+    }
+    args.clear();
+  }
+};
+
+// A host tensor argument as it is now (the host may change it before the launch runs); a
+// wrapped number stays one (it does not take part in type promotion).
+at::Tensor snapshot(const at::Tensor& t) {
+  at::Tensor copy = t.clone();
+  copy.unsafeGetTensorImpl()->set_wrapped_number(t.unsafeGetTensorImpl()->is_wrapped_number());
+  return copy;
+}
+
+// Queue the op as one launch; false (nothing done) where its results cannot be planned.
+bool launch_planned(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  const size_t n = schema.arguments().size();
+  const size_t first = stack->size() - n;
+  std::shared_ptr<const Plan> plan = plan_for(op, *stack, first);
+  if (!plan->ok) {
+    return false;
+  }
+  // the written arguments, in the plan's order (tensors, lists flattened)
+  std::vector<at::Tensor> written;
+  for (size_t i = 0; i < n; ++i) {
+    const auto* info = schema.arguments()[i].alias_info();
+    if (!info || !info->isWrite()) {
+      continue;
+    }
+    const c10::IValue& v = (*stack)[first + i];
+    if (v.isTensor()) {
+      if (on_device(v)) {
+        written.push_back(v.toTensor());
+      }
+    } else if (v.isTensorList()) {
+      for (const at::Tensor& t : v.toTensorList()) {
+        if (t.defined() && t.is_privateuseone()) {
+          written.push_back(t);
+        }
+      }
+    }
+  }
+  std::vector<Fresh> fresh;
+  std::vector<c10::IValue> results;
+  auto result = [&](const Plan::Out& out, size_t j, int64_t e) -> at::Tensor {
+    switch (out.kind) {
+      case Plan::Out::kUndefined:
+        return at::Tensor();
+      case Plan::Out::kWritten:
+        return written.at(out.written);
+      case Plan::Out::kFresh:
+        break;
+    }
+    at::Tensor dest = at::detail::empty_strided_generic(
+        out.sizes, out.strides, allocator(), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+        out.dtype);
+    fresh.push_back({j, e, dest});
+    return dest;
+  };
+  for (size_t j = 0; j < plan->returns.size(); ++j) {
+    const Plan::Ret& ret = plan->returns[j];
+    if (ret.list) {
+      c10::List<at::Tensor> list;
+      for (size_t e = 0; e < ret.outs.size(); ++e) {
+        list.push_back(result(ret.outs[e], j, static_cast<int64_t>(e)));
+      }
+      results.emplace_back(std::move(list));
+    } else {
+      results.emplace_back(result(ret.outs[0], j, -1));
+    }
+  }
+  // the launch's arguments: host aliases now (a later resize_ waits for the queue), values
+  // the host may change before the launch runs copied
+  for (Fresh& f : fresh) {
+    f.dest = host_alias(f.dest);
+  }
+  HostCall call{op, {}, std::move(fresh)};
+  call.args.reserve(n);
+  Aliases aliases;
+  for (size_t i = 0; i < n; ++i) {
+    c10::IValue& v = (*stack)[first + i];
+    if (on_device(v)) {
+      call.args.emplace_back(alias_in(v.toTensor(), aliases));
+    } else if (v.isTensor() && v.toTensor().defined()) {
+      call.args.emplace_back(snapshot(v.toTensor()));
+    } else if (v.isTensorList()) {
+      c10::List<at::Tensor> list;
+      for (const at::Tensor& t : v.toTensorList()) {
+        list.push_back(!t.defined()            ? t
+                       : t.is_privateuseone() ? alias_in(t, aliases)
+                                              : snapshot(t));
+      }
+      call.args.emplace_back(std::move(list));
+    } else if (v.isOptionalTensorList()) {
+      c10::List<std::optional<at::Tensor>> list;
+      for (const std::optional<at::Tensor>& t : v.toOptionalTensorList()) {
+        list.push_back(!t || !t->defined()      ? t
+                       : t->is_privateuseone() ? std::optional<at::Tensor>(alias_in(*t, aliases))
+                                               : std::optional<at::Tensor>(snapshot(*t)));
+      }
+      call.args.emplace_back(std::move(list));
+    } else if (v.isDevice() && v.toDevice().is_privateuseone()) {
+      call.args.emplace_back(c10::Device(c10::kCPU));
+    } else {
+      call.args.push_back(std::move(v));
+    }
+  }
+  stack->erase(stack->begin() + static_cast<std::ptrdiff_t>(first), stack->end());
+  for (auto& r : results) {
+    stack->push_back(std::move(r));
+  }
+  submit(std::move(call), schema.name().c_str());
+  return true;
+}
+
+}  // namespace
+
+void run_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  const Traits& t = traits_of(schema);
+  TORCH_CHECK(!t.view, "neuron: ", schema.name(), " returns a view and has no device kernel");
+  check_one_device(schema, *stack, stack->size() - schema.arguments().size());
+  if (t.reads) {
+    run_now(op, stack, "reads a value");
+  } else if (t.random) {
+    run_now(op, stack, "random op");
+  } else if (!launch_planned(op, stack)) {
+    run_now(op, stack, "not planned");
+  }
+}
+
 at::Tensor host_alias(const at::Tensor& t) {
   Aliases aliases;
   return alias_in(t, aliases);
 }
+
 
 // A fresh result of a CPU kernel as a device tensor: its memory adopted by the device when
 // it is the CPU allocator's own and nothing else holds it (no copy), else copied.

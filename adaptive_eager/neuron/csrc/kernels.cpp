@@ -37,20 +37,28 @@ at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride,
 }
 
 // ``copy_`` between devices lands here (ATen's copy_ calls it for a non-CPU side): both
-// sides are host memory, so it is a CPU copy between aliases.
-// A copy to the host is a sync point (the host reads what the device wrote); every copy is
-// one launch, with its bytes counted.
+// sides are host memory, so it is a CPU copy between aliases, one launch with its bytes
+// counted. A copy to the host is a sync point (the host reads what the device wrote). A copy
+// from the host reads the host tensor now, as eager does: at once when the queue is idle,
+// else from a snapshot queued behind the launches before it; a copy within the device queues.
 at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
   const bool to_host = !dst.is_privateuseone();
+  const bool from_host = !self.is_privateuseone();
   if (to_host) {
     wait("copy to host");
   }
-  at::Tensor src = self.is_privateuseone() ? host_alias(self) : self;
-  at::Tensor out = to_host ? dst : host_alias(dst);
-  const auto start = std::chrono::steady_clock::now();
-  out.copy_(src);
-  launched(std::chrono::steady_clock::now() - start, "copy");
-  if (to_host || !self.is_privateuseone()) {
+  if (to_host || (from_host && idle())) {
+    at::Tensor src = from_host ? self : host_alias(self);
+    at::Tensor out = to_host ? dst : host_alias(dst);
+    const auto start = Clock::now();
+    out.copy_(src);
+    launched(Clock::now() - start, "copy");
+  } else {
+    at::Tensor src = from_host ? self.clone() : host_alias(self);
+    at::Tensor out = host_alias(dst);
+    submit([src, out] { out.copy_(src); }, "copy");
+  }
+  if (to_host || from_host) {
     copied(static_cast<int64_t>(dst.nbytes()), to_host);
   }
   return dst;

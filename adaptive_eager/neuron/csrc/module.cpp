@@ -5,7 +5,22 @@
 #include <torch/extension.h>
 
 #include <map>
+#include <unordered_map>
 #include <string>
+
+namespace neuron {
+namespace {
+py::object* flush_hook = nullptr;  // never freed: it may be called until exit
+}  // namespace
+
+void flush(const char* reason) {
+  if (flush_hook == nullptr || !Py_IsInitialized()) {
+    return;
+  }
+  py::gil_scoped_acquire gil;
+  (*flush_hook)(reason);
+}
+}  // namespace neuron
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "The emulated neuron device (C++ PrivateUse1 backend)";
@@ -22,6 +37,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                      "python");
   });
   m.def("synchronize", [] { neuron::wait("synchronize"); });
+  m.def("wait", [](const std::string& reason) { neuron::wait(reason); },
+        "A sync point: the host waits for the device (the reason is counted)");
+  m.def("wait_below", &neuron::wait_below);
+  m.def("idle", &neuron::idle);
+  // One launch of Python code (the engine's replays) on the device's queue; it takes the
+  // interpreter lock on the worker, and lets go of the callable there too.
+  m.def("launch", [](py::function fn, const char* name) {
+    std::shared_ptr<py::function> held(new py::function(std::move(fn)), [](py::function* f) {
+      if (Py_IsInitialized()) {
+        py::gil_scoped_acquire gil;
+        delete f;
+      }
+    });
+    static std::unordered_map<std::string, std::string> names;  // static storage for names
+    const char* static_name = names.emplace(name, name).first->second.c_str();
+    neuron::submit([held] {
+      py::gil_scoped_acquire gil;
+      (*held)();
+    }, static_name);
+  });
   m.def("set_latency_us", &neuron::set_latency_us);
   m.def("latency_us", &neuron::latency_us);
   m.def("reset_counters", &neuron::reset_counters);
@@ -30,6 +65,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return std::map<std::string, double>{
         {"launches", double(c.launches)}, {"bytes_to_device", double(c.bytes_to_device)},
         {"bytes_to_host", double(c.bytes_to_host)}, {"syncs", double(c.syncs)},
-        {"busy_s", c.busy_s}, {"kernel_s", c.kernel_s}};
+        {"busy_s", c.busy_s}, {"kernel_s", c.kernel_s},
+        {"skipped_after_error", double(c.skipped_after_error)}};
   });
+  m.def("set_flush_hook", [](py::function fn) {
+    neuron::flush_hook = new py::object(std::move(fn));
+  }, "fn(reason): called before an event or stream orders or waits on the queue");
+  m.def("launches_by_stream", [] { return neuron::counters().launches_by_stream; });
+  m.def("syncs_by_reason", [] { return neuron::counters().syncs_by_reason; });
 }

@@ -6,6 +6,10 @@
 #include <c10/core/Allocator.h>
 
 #include <chrono>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
 
 namespace neuron {
 
@@ -23,27 +27,85 @@ bool adopt(const c10::Storage& storage);
 // neuron tensor with a fresh CPU tensor's sizes, strides and values (its memory adopted, or
 // one copy)
 at::Tensor host_alias(const at::Tensor& t);
+
 std::optional<at::Tensor> host_or_none(const std::optional<at::Tensor>& t);  // undefined: none
 at::Tensor to_device(const at::Tensor& host);
 // the boxed kernel every op without one of the device's own runs: cpu's on host aliases
 void run_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack);
 
-// timeline.cpp: the launch model (latency on the device's clock, the host waits at syncs)
+using Clock = std::chrono::steady_clock;
+
+// plan.cpp: what an op returns, from its meta kernel, cached by what that depends on
+struct Plan {
+  struct Out {
+    enum Kind : uint8_t { kUndefined, kWritten, kFresh } kind = kUndefined;
+    int32_t written = -1;  // kWritten: which written argument (tensors, lists flattened)
+    std::vector<int64_t> sizes, strides;  // kFresh
+    at::ScalarType dtype = at::kFloat;
+  };
+  struct Ret {
+    bool list = false;
+    std::vector<Out> outs;  // one, or the list's elements
+  };
+  bool ok = false;  // false: not plannable, the op runs at once
+  std::vector<Ret> returns;
+};
+std::shared_ptr<const Plan> plan_for(const c10::OperatorHandle& op,
+                                     const torch::jit::Stack& stack, size_t first);
+
+// timeline.cpp: the launch model (latency on the device's clock) and the exact counters
 struct Counters {
   int64_t launches = 0;
+  std::map<int64_t, int64_t> launches_by_stream;
   int64_t bytes_to_device = 0;
   int64_t bytes_to_host = 0;
   int64_t syncs = 0;
+  std::map<std::string, int64_t> syncs_by_reason;
+  int64_t skipped_after_error = 0;  // launches not run because one before them failed
   double busy_s = 0;    // modelled device time: latency + kernel, over launches
   double kernel_s = 0;  // measured time of the kernels alone
 };
-void launched(std::chrono::steady_clock::duration kernel, const char* what);
+void count_launch();  // one launch issued on the calling thread's current stream
+// a kernel issued at ``issued`` that ran for ``kernel``: its modelled end
+Clock::time_point account(Clock::time_point issued, Clock::duration kernel);
+// a kernel that just ran on the calling thread: counted and accounted
+void launched(Clock::duration kernel, const char* what);
+Clock::time_point device_free_at();
+void wait_until(Clock::time_point until);
 void copied(int64_t nbytes, bool to_host);
-void wait(const char* reason);
+void count_sync(const std::string& reason);
+void count_skipped();
 void set_latency_us(double us);
 double latency_us();
 Counters counters();
 void reset_counters();
+
+// queue.cpp: the device's queue, one worker thread running launches in issue order
+// Queue one launch (counted on the current stream); returns at once unless the queue is full.
+void submit(std::function<void()> fn, const char* name);
+// A sync point: wait until every launch has run and the device clock has passed; re-raise
+// the first error a launch raised since the last sync (with a note naming it).
+void wait(const std::string& reason);
+bool idle();  // nothing queued or running
+// Run ``fn`` once every launch queued so far has run (at once if none): how the allocator
+// frees a block that queued launches may still touch.
+void after_queued(std::function<void()> fn);
+// Wait while ``depth`` or more launches are unfinished on the device clock; true if it waited.
+bool wait_below(int64_t depth);
+// A point in the queue (an event): recorded now, reached when the launches before it ran.
+struct Marker;
+std::shared_ptr<Marker> record_marker();
+bool marker_reached(const Marker& m);  // ran, and the device clock has passed it
+void wait_marker(const Marker& m);
+double marker_ms_between(const Marker& a, const Marker& b);
+bool device_query();  // everything ran and the device clock has passed
+
+// module.cpp: before an event or a stream orders or waits on the queue, whoever holds work
+// back on the host (the engine's deferred ops) launches it (a Python hook; none: nothing)
+void flush(const char* reason);
+
+// device.cpp: the calling thread's current stream
+int64_t current_stream_id();
 
 // choices.cpp: cpu's kernel for every op that has one and a composite (returns how many)
 int64_t register_cpu_kernels();

@@ -19,6 +19,7 @@ at::Tensor convolution(const at::Tensor& input, const at::Tensor& weight,
                        const std::optional<at::Tensor>& bias, c10::IntArrayRef stride,
                        c10::IntArrayRef padding, c10::IntArrayRef dilation, bool transposed,
                        c10::IntArrayRef output_padding, int64_t groups) {
+  wait("convolution");
   const auto start = std::chrono::steady_clock::now();
   auto out = at::convolution(host_alias(input), host_alias(weight), host_or_none(bias), stride,
                              padding, dilation, transposed, output_padding, groups);
@@ -38,6 +39,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward(
     sizes = {weight.size(transposed ? 1 : 0) * (transposed ? groups : 1)};
     bias_sizes = sizes;
   }
+  wait("convolution backward");
   const auto start = std::chrono::steady_clock::now();
   auto [gi, gw, gb] = at::convolution_backward(
       host_alias(grad_output), host_alias(input), host_alias(weight), bias_sizes, stride,

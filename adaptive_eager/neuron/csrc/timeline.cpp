@@ -1,21 +1,22 @@
-// The device's timeline: what a launch costs the device, and where the host waits for it.
+// The device's timeline: what a launch costs the device, and the counters that say so.
 //
-// Kernels run at once on the calling thread (no queue yet); the modelled launch latency is
-// paid on the device's clock instead: each launch starts when the device is free and the host
-// has issued it, and ends ``latency`` after its kernel. The host only waits at sync points
-// (a read of a value, a copy to the host, synchronize), until the device's clock has passed.
-// So a program that issues many small launches between syncs pays the latency per launch, as
-// on the real device, and host work overlaps it. Counters are exact.
+// The device clock models the launch latency the emulator does not have: each launch starts
+// when the device is free and the host has issued it, and ends ``latency`` after its kernel:
+//
+//     start = max(end of the previous launch, issued at)
+//     end   = start + latency + the kernel's measured time
+//
+// The queue (queue.cpp) runs each kernel as soon as it can and accounts for it here; a sync
+// point waits until the worker has run everything *and* the wall clock has passed the last
+// launch's modelled end, so the user never sees a result earlier than the modelled device
+// could have produced it. Counters are exact.
 #include "neuron.h"
 
-#include <chrono>
 #include <mutex>
 #include <thread>
 
 namespace neuron {
 namespace {
-
-using Clock = std::chrono::steady_clock;
 
 std::mutex lock;
 Clock::time_point free_at;  // when the device finishes its last launch (guarded by lock)
@@ -24,16 +25,32 @@ Counters counts;            // guarded by lock
 
 }  // namespace
 
-void launched(Clock::duration kernel, const char* /*what*/) {
+void count_launch() {
+  const int64_t stream = current_stream_id();
   std::lock_guard<std::mutex> guard(lock);
-  auto now = Clock::now();
-  auto start = std::max(free_at, now - kernel);  // the kernel ran from (now - kernel)
+  counts.launches += 1;
+  counts.launches_by_stream[stream] += 1;
+}
+
+Clock::time_point account(Clock::time_point issued, Clock::duration kernel) {
+  std::lock_guard<std::mutex> guard(lock);
+  auto start = std::max(free_at, issued);
   auto cost = kernel + std::chrono::duration_cast<Clock::duration>(
                            std::chrono::duration<double>(latency_s));
   free_at = start + cost;
-  counts.launches += 1;
   counts.busy_s += std::chrono::duration<double>(cost).count();
   counts.kernel_s += std::chrono::duration<double>(kernel).count();
+  return free_at;
+}
+
+void launched(Clock::duration kernel, const char* /*what*/) {
+  count_launch();
+  account(Clock::now() - kernel, kernel);  // it ran from (now - kernel) on this thread
+}
+
+Clock::time_point device_free_at() {
+  std::lock_guard<std::mutex> guard(lock);
+  return free_at;
 }
 
 void copied(int64_t nbytes, bool to_host) {
@@ -41,13 +58,18 @@ void copied(int64_t nbytes, bool to_host) {
   (to_host ? counts.bytes_to_host : counts.bytes_to_device) += nbytes;
 }
 
-void wait(const char* /*reason*/) {
-  Clock::time_point until;
-  {
-    std::lock_guard<std::mutex> guard(lock);
-    counts.syncs += 1;
-    until = free_at;
-  }
+void count_sync(const std::string& reason) {
+  std::lock_guard<std::mutex> guard(lock);
+  counts.syncs += 1;
+  counts.syncs_by_reason[reason] += 1;
+}
+
+void count_skipped() {
+  std::lock_guard<std::mutex> guard(lock);
+  counts.skipped_after_error += 1;
+}
+
+void wait_until(Clock::time_point until) {
   // sleep the bulk, spin the last 200 us (sleep overshoots by tens of microseconds)
   auto remaining = until - Clock::now();
   if (remaining > std::chrono::microseconds(500)) {

@@ -1,0 +1,306 @@
+// Plans: what an op returns, known before it runs, so that it can be queued.
+//
+// An op's results (which are its written arguments, and the dtype, sizes and strides of each
+// fresh one) come from its meta kernel, run on meta twins of its arguments: the arguments are
+// checked as cpu checks them and no value is read. Many of ATen's meta kernels are Python
+// (torch._meta_registrations), tens of microseconds each, so plans are cached by everything a
+// meta kernel's answer depends on (the key below): a loop pays it once per distinct call.
+//
+// The key: the op; per tensor argument its device, dtype, sizes, strides, offset, whether it
+// is a wrapped number, and which earlier argument shares its storage (aliasing changes what
+// an in-place op may do); ints, bools, strings, floats and lists of them by value (they are
+// dimensions, sizes, modes and flags); a ``Scalar`` by its type only (its value is data: a
+// learning rate changes every step and must not miss; it changes no result's shape or dtype).
+// Not plannable either: a call with a cpu tensor argument that is not a wrapped number
+// (ATen's meta kernels promote dtypes across devices otherwise than cpu's kernels do). An
+// op the meta kernel refuses (no meta kernel, a data-dependent shape, or an error cpu's
+// kernel will raise) is cached as not plannable: it runs at once (fallback.cpp), where cpu's
+// kernel raises eager's own error at the line. Where a meta kernel would refuse a ``Scalar``
+// value it accepted for another (``int_tensor.pow(-1)`` after ``pow(2)``), cpu's kernel raises
+// on the device instead, and the error is re-raised at the next sync naming the op.
+#include "neuron.h"
+
+#include <cstring>
+#include <unordered_map>
+
+namespace neuron {
+namespace {
+
+at::Tensor over(const c10::Storage& storage, const at::Tensor& like) {
+  at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(
+      c10::Storage(storage), c10::DispatchKeySet(c10::DispatchKey::Meta), like.dtype());
+  t.unsafeGetTensorImpl()->set_sizes_and_strides(like.sizes(), like.strides(),
+                                                 like.storage_offset());
+  return t;
+}
+
+// Device storage -> its meta twin, for the arguments of one call.
+using Twins = std::unordered_map<const c10::StorageImpl*, c10::Storage>;
+
+at::Tensor meta_twin(const at::Tensor& t, Twins& twins) {
+  const auto* key = t.storage().unsafeGetStorageImpl();
+  auto it = twins.find(key);
+  if (it == twins.end()) {
+    // not resizable: an out= argument the op would resize is not plannable
+    it = twins.emplace(key, c10::Storage(c10::Storage::use_byte_size_t(), t.storage().nbytes(),
+                                         at::DataPtr(nullptr, c10::Device(c10::kMeta)),
+                                         nullptr, /*resizable=*/false)).first;
+  }
+  return over(it->second, t);
+}
+
+bool on_device(const at::Tensor& t) {
+  return t.defined() && t.is_privateuseone();
+}
+
+// The cache key of one call (see the file's comment).
+struct Key {
+  std::string bytes;
+  std::vector<const c10::StorageImpl*> storages;  // of the tensors so far, in order
+
+  template <typename T>
+  void put(T v) {
+    bytes.append(reinterpret_cast<const char*>(&v), sizeof(T));
+  }
+  void put_ints(c10::IntArrayRef v) {
+    put<int64_t>(static_cast<int64_t>(v.size()));
+    bytes.append(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(int64_t));
+  }
+  void tensor(const at::Tensor& t) {
+    if (!t.defined()) {
+      put<char>('N');
+      return;
+    }
+    put<char>('T');
+    put<int8_t>(static_cast<int8_t>(t.device().type()));
+    put<int8_t>(static_cast<int8_t>(t.scalar_type()));
+    put<bool>(t.unsafeGetTensorImpl()->is_wrapped_number());
+    put_ints(t.sizes());
+    put_ints(t.strides());
+    put<int64_t>(t.storage_offset());
+    const auto* s = t.storage().unsafeGetStorageImpl();
+    int32_t shared = -1;
+    for (size_t i = 0; i < storages.size(); ++i) {
+      if (storages[i] == s) {
+        shared = static_cast<int32_t>(i);
+        break;
+      }
+    }
+    put<int32_t>(shared);
+    storages.push_back(s);
+  }
+  // false: a value the key cannot hold (the call is planned uncached)
+  bool value(const c10::IValue& v, const c10::Argument& arg) {
+    if (v.isTensor()) {
+      tensor(v.toTensor());
+    } else if (v.isNone()) {
+      put<char>('n');
+    } else if (v.isTensorList()) {
+      put<char>('L');
+      put<int64_t>(static_cast<int64_t>(v.toTensorList().size()));
+      for (const at::Tensor& t : v.toTensorList()) {
+        tensor(t);
+      }
+    } else if (v.isOptionalTensorList()) {
+      put<char>('O');
+      auto list = v.toOptionalTensorList();
+      put<int64_t>(static_cast<int64_t>(list.size()));
+      for (const std::optional<at::Tensor>& t : list) {
+        tensor(t ? *t : at::Tensor());
+      }
+    } else if (arg.type()->kind() == c10::TypeKind::NumberType ||
+               (arg.type()->castRaw<c10::OptionalType>() &&
+                arg.type()->castRaw<c10::OptionalType>()->getElementType()->kind() ==
+                    c10::TypeKind::NumberType)) {
+      put<char>(v.isDouble() ? 'd' : v.isInt() ? 'i' : v.isBool() ? 'b' : 'c');  // a Scalar
+    } else if (v.isInt()) {
+      put<char>('i');
+      put<int64_t>(v.toInt());
+    } else if (v.isDouble()) {
+      put<char>('d');
+      put<double>(v.toDouble());
+    } else if (v.isBool()) {
+      put<char>(v.toBool() ? 'B' : 'b');
+    } else if (v.isString()) {
+      put<char>('s');
+      const auto& s = v.toStringRef();
+      put<int64_t>(static_cast<int64_t>(s.size()));
+      bytes.append(s);
+    } else if (v.isIntList()) {
+      put<char>('l');
+      put_ints(v.toIntList().vec());
+    } else if (v.isDoubleList()) {
+      put<char>('f');
+      for (double d : v.toDoubleList()) {
+        put<double>(d);
+      }
+    } else if (v.isBoolList()) {
+      put<char>('k');
+      for (bool b : v.toBoolList()) {
+        put<bool>(b);
+      }
+    } else if (v.isDevice()) {
+      put<char>('D');
+      put<int8_t>(static_cast<int8_t>(v.toDevice().type()));
+      put<int8_t>(v.toDevice().index());
+    } else if (v.isList()) {  // a list of Scalars (``Scalar[]``): their types
+      put<char>('S');
+      for (const c10::IValue& e : v.toListRef()) {
+        put<char>(e.isDouble() ? 'd' : e.isInt() ? 'i' : e.isBool() ? 'b' : 'c');
+      }
+    } else {
+      return false;
+    }
+    return true;
+  }
+};
+
+// Ops whose cpu kernel returns other sizes than their meta kernel plans: never planned.
+bool disagrees(const c10::FunctionSchema& schema) {
+  // in eval mode cpu returns empty saved statistics, the meta kernel full-size ones
+  return schema.name() == "aten::native_batch_norm" ||
+         schema.name() == "aten::_native_batch_norm_legit_no_training";
+}
+
+std::shared_ptr<const Plan> make_plan(const c10::OperatorHandle& op,
+                                      const torch::jit::Stack& stack, size_t first) {
+  auto plan = std::make_shared<Plan>();
+  const auto& schema = op.schema();
+  if (disagrees(schema)) {
+    return plan;
+  }
+  const size_t n = schema.arguments().size();
+  Twins twins;
+  torch::jit::Stack meta;
+  meta.reserve(n);
+  std::vector<std::pair<at::Tensor, at::Tensor>> written;  // meta twin, device tensor
+  bool cpu_tensor = false;
+  for (size_t i = 0; i < n; ++i) {
+    const c10::IValue& v = stack[first + i];
+    const auto* info = schema.arguments()[i].alias_info();
+    const bool writes = info && info->isWrite();
+    auto twin = [&](const at::Tensor& t) {
+      if (!on_device(t)) {
+        // a cpu tensor that is not a wrapped number: ATen's meta kernels promote dtypes
+        // across devices otherwise than cpu's kernels do; the op runs at once
+        cpu_tensor |= t.defined() && !t.unsafeGetTensorImpl()->is_wrapped_number();
+        return t;
+      }
+      at::Tensor m = meta_twin(t, twins);
+      if (writes) {
+        written.emplace_back(m, t);
+      }
+      return m;
+    };
+    if (v.isTensor()) {
+      meta.emplace_back(twin(v.toTensor()));
+    } else if (v.isTensorList()) {
+      c10::List<at::Tensor> list;
+      for (const at::Tensor& t : v.toTensorList()) {
+        list.push_back(twin(t));
+      }
+      meta.emplace_back(std::move(list));
+    } else if (v.isOptionalTensorList()) {
+      c10::List<std::optional<at::Tensor>> list;
+      for (const std::optional<at::Tensor>& t : v.toOptionalTensorList()) {
+        list.push_back(t ? std::optional<at::Tensor>(twin(*t)) : t);
+      }
+      meta.emplace_back(std::move(list));
+    } else if (v.isDevice() && v.toDevice().is_privateuseone()) {
+      meta.emplace_back(c10::Device(c10::kMeta));
+    } else {
+      meta.push_back(v);
+    }
+  }
+  if (cpu_tensor) {
+    return plan;
+  }
+  try {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::Meta), &meta);
+  } catch (const std::exception&) {
+    return plan;  // not plannable
+  }
+  for (const auto& [m, dev] : written) {
+    if (m.sizes() != dev.sizes() || m.strides() != dev.strides() ||
+        m.storage_offset() != dev.storage_offset()) {
+      return plan;  // an out= argument the op restrides: not plannable
+    }
+  }
+  auto out_of = [&](const at::Tensor& m) -> std::optional<Plan::Out> {
+    Plan::Out out;
+    if (!m.defined()) {
+      out.kind = Plan::Out::kUndefined;
+      return out;
+    }
+    for (size_t w = 0; w < written.size(); ++w) {
+      if (m.is_same(written[w].first)) {
+        out.kind = Plan::Out::kWritten;
+        out.written = static_cast<int32_t>(w);
+        return out;
+      }
+    }
+    if (!m.is_meta() || m.storage_offset() != 0) {
+      return std::nullopt;
+    }
+    out.kind = Plan::Out::kFresh;
+    out.sizes = m.sizes().vec();
+    out.strides = m.strides().vec();
+    out.dtype = m.scalar_type();
+    return out;
+  };
+  for (const c10::IValue& r : meta) {
+    Plan::Ret ret;
+    if (r.isTensor()) {
+      auto out = out_of(r.toTensor());
+      if (!out) {
+        return plan;
+      }
+      ret.outs.push_back(std::move(*out));
+    } else if (r.isTensorList()) {
+      ret.list = true;
+      for (const at::Tensor& m : r.toTensorList()) {
+        auto out = out_of(m);
+        if (!out) {
+          return plan;
+        }
+        ret.outs.push_back(std::move(*out));
+      }
+    } else {
+      return plan;
+    }
+    plan->returns.push_back(std::move(ret));
+  }
+  plan->ok = true;
+  return plan;
+}
+
+}  // namespace
+
+std::shared_ptr<const Plan> plan_for(const c10::OperatorHandle& op,
+                                     const torch::jit::Stack& stack, size_t first) {
+  // per thread (the host's and autograd's), so no lock; bounded: a program whose calls never
+  // repeat starts over
+  thread_local std::unordered_map<std::string, std::shared_ptr<const Plan>> cache;
+  const auto& schema = op.schema();
+  Key key;
+  key.bytes.reserve(256);
+  key.put<const void*>(&schema);
+  for (size_t i = 0; i < schema.arguments().size(); ++i) {
+    if (!key.value(stack[first + i], schema.arguments()[i])) {
+      return make_plan(op, stack, first);
+    }
+  }
+  auto it = cache.find(key.bytes);
+  if (it != cache.end()) {
+    return it->second;
+  }
+  if (cache.size() >= 65536) {
+    cache.clear();
+  }
+  auto plan = make_plan(op, stack, first);
+  cache.emplace(std::move(key.bytes), plan);
+  return plan;
+}
+
+}  // namespace neuron
