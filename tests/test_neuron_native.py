@@ -262,6 +262,65 @@ def _():
         ae.reset()
     return ok
 
+@check("eager ops queue behind the host, in order, until a sync")
+def _():
+    import adaptive_eager.neuron as neuron
+    x = torch.arange(8.0, device="neuron")
+    torch.neuron.synchronize()
+    neuron.set_launch_latency_us(20000)  # 20 ms per launch
+    try:
+        y = (x + 1) * 2  # two launches, queued: the host does not wait
+        queued = not torch.neuron.current_stream().query()
+        values = y.cpu().tolist() == [(i + 1) * 2.0 for i in range(8)]  # waits
+        done = torch.neuron.current_stream().query()
+    finally:
+        neuron.set_launch_latency_us(10)
+    return queued and values and done
+
+@check("a kernel's error is raised at the next sync, naming the op; the device goes on")
+def _():
+    import adaptive_eager.neuron as neuron
+    x = torch.arange(4.0, device="neuron")
+    idx = torch.tensor([9], device="neuron")  # out of bounds: only the kernel can tell
+    torch.neuron.synchronize()
+    y = x.gather(0, idx)  # queued: no error yet
+    z = y + 1  # queued behind it: skipped once it failed
+    try:
+        z.cpu()
+        return False
+    except RuntimeError as e:
+        named = "out of bounds" in str(e) and "aten::gather" in str(e)
+    skipped = neuron.counters().skipped_after_error >= 1
+    return named and skipped and (x + 1).cpu().tolist() == [1.0, 2.0, 3.0, 4.0]
+
+@check("an op whose results need its values runs at once, counted as a sync")
+def _():
+    import adaptive_eager.neuron as neuron
+    x = torch.tensor([0.0, 1.0, 0.0, 2.0], device="neuron")
+    before = neuron.counters().syncs_by_reason.get("not planned: aten::nonzero", 0)
+    got = torch.nonzero(x).cpu().flatten().tolist()
+    after = neuron.counters().syncs_by_reason.get("not planned: aten::nonzero", 0)
+    return got == [1, 3] and after == before + 1
+
+@check("memory a queued launch uses is freed only after it ran")
+def _():
+    import gc
+    import adaptive_eager.neuron as neuron
+    w = torch.randn(256, 256)
+    expect = (w * 3).sum().item()
+    neuron.set_launch_latency_us(5000)
+    try:
+        x = w.to("neuron")
+        y = x * 3
+        del x  # the launch still reads it
+        gc.collect()
+        junk = [torch.full((256, 256), float("nan"), device="neuron") for _ in range(8)]
+        ok = abs(y.sum().item() - expect) <= 1e-6 * abs(expect)
+        del junk
+    finally:
+        neuron.set_launch_latency_us(10)
+    return ok
+
 print(json.dumps(results))
 '''
 

@@ -151,6 +151,7 @@ void run_now(const c10::OperatorHandle& op, torch::jit::Stack* stack, const char
     op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
   }
   launched(std::chrono::steady_clock::now() - start, schema.name().c_str());
+  wait_until(device_free_at());  // its results are the host's now: the launch has ended
   // results: a written argument's alias is the device tensor it aliases; fresh ones move
   const size_t m = schema.returns().size();
   const size_t out0 = stack->size() - m;

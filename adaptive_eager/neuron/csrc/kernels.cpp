@@ -53,6 +53,9 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
     const auto start = Clock::now();
     out.copy_(src);
     launched(Clock::now() - start, "copy");
+    if (to_host) {
+      wait_until(device_free_at());  // the host reads it: the copy's launch has ended
+    }
   } else {
     at::Tensor src = from_host ? self.clone() : host_alias(self);
     at::Tensor out = host_alias(dst);
