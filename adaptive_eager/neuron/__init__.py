@@ -74,6 +74,7 @@ def counters(index: int = 0):
         c = ext.counters()
         return Counters(launches=int(c["launches"]),
                         launches_by_stream=ext.launches_by_stream(),
+                        launches_by_name=ext.launches_by_name(),
                         bytes_to_device=int(c["bytes_to_device"]),
                         bytes_to_host=int(c["bytes_to_host"]), syncs=int(c["syncs"]),
                         syncs_by_reason=ext.syncs_by_reason(), busy_s=c["busy_s"],

@@ -56,6 +56,7 @@ class Counters:
 
     launches: int = 0
     launches_by_stream: dict = dataclasses.field(default_factory=dict)
+    launches_by_name: dict = dataclasses.field(default_factory=dict)  # the C++ device's
     bytes_to_device: int = 0
     bytes_to_host: int = 0
     syncs: int = 0

@@ -44,6 +44,9 @@ at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride,
 at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
   const bool to_host = !dst.is_privateuseone();
   const bool from_host = !self.is_privateuseone();
+  if (dst.numel() == 0) {
+    return dst;  // nothing moves: no launch (cpu's copy_ returns early too)
+  }
   if (to_host) {
     wait("copy to host");
   }
@@ -52,14 +55,14 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
     at::Tensor out = to_host ? dst : host_alias(dst);
     const auto start = Clock::now();
     out.copy_(src);
-    launched(Clock::now() - start, "copy");
+    launched(Clock::now() - start, to_host ? "copy to host" : "copy from host");
     if (to_host) {
       wait_until(device_free_at());  // the host reads it: the copy's launch has ended
     }
   } else {
     at::Tensor src = from_host ? self.clone() : host_alias(self);
     at::Tensor out = host_alias(dst);
-    submit([src, out] { out.copy_(src); }, "copy");
+    submit([src, out] { out.copy_(src); }, from_host ? "copy from host" : "copy");
   }
   if (to_host || from_host) {
     copied(static_cast<int64_t>(dst.nbytes()), to_host);

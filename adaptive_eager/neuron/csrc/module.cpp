@@ -72,5 +72,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     neuron::flush_hook = new py::object(std::move(fn));
   }, "fn(reason): called before an event or stream orders or waits on the queue");
   m.def("launches_by_stream", [] { return neuron::counters().launches_by_stream; });
+  m.def("launches_by_name", [] {
+    std::map<std::string, int64_t> out;
+    for (const auto& [name, n] : neuron::counters().launches_by_name) {
+      out[name] += n;
+    }
+    return out;
+  });
   m.def("syncs_by_reason", [] { return neuron::counters().syncs_by_reason; });
 }

@@ -57,6 +57,7 @@ std::shared_ptr<const Plan> plan_for(const c10::OperatorHandle& op,
 struct Counters {
   int64_t launches = 0;
   std::map<int64_t, int64_t> launches_by_stream;
+  std::map<const char*, int64_t> launches_by_name;  // names have static storage
   int64_t bytes_to_device = 0;
   int64_t bytes_to_host = 0;
   int64_t syncs = 0;
@@ -65,7 +66,8 @@ struct Counters {
   double busy_s = 0;    // modelled device time: latency + kernel, over launches
   double kernel_s = 0;  // measured time of the kernels alone
 };
-void count_launch();  // one launch issued on the calling thread's current stream
+// one launch of ``name`` (static storage) issued on the calling thread's current stream
+void count_launch(const char* name);
 // a kernel issued at ``issued`` that ran for ``kernel``: its modelled end
 Clock::time_point account(Clock::time_point issued, Clock::duration kernel);
 // a kernel that just ran on the calling thread: counted and accounted

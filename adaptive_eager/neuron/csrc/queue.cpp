@@ -158,7 +158,7 @@ void enqueue(Launch launch) {
 }  // namespace
 
 void submit(std::function<void()> fn, const char* name) {
-  count_launch();
+  count_launch(name);
   enqueue(Launch{std::move(fn), name, Clock::now(), nullptr});
 }
 

@@ -25,11 +25,12 @@ Counters counts;            // guarded by lock
 
 }  // namespace
 
-void count_launch() {
+void count_launch(const char* name) {
   const int64_t stream = current_stream_id();
   std::lock_guard<std::mutex> guard(lock);
   counts.launches += 1;
   counts.launches_by_stream[stream] += 1;
+  counts.launches_by_name[name] += 1;
 }
 
 Clock::time_point account(Clock::time_point issued, Clock::duration kernel) {
@@ -43,8 +44,8 @@ Clock::time_point account(Clock::time_point issued, Clock::duration kernel) {
   return free_at;
 }
 
-void launched(Clock::duration kernel, const char* /*what*/) {
-  count_launch();
+void launched(Clock::duration kernel, const char* what) {
+  count_launch(what);
   account(Clock::now() - kernel, kernel);  // it ran from (now - kernel) on this thread
 }
 
