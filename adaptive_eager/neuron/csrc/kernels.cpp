@@ -125,4 +125,17 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("view_as_complex", at::native::view_as_complex);
 }
 
+// A copy to or from a lazily conjugated or negated view: the bits travel with the host
+// aliases and cpu's copy_ resolves them. Without this, the math-bit fallback would resolve
+// them by a clone whose copy comes back here, forever.
+TORCH_LIBRARY_IMPL(aten, Conjugate, m) {
+  m.impl("_copy_from", torch::CppFunction::makeFallthrough());
+  m.impl("_copy_from_and_resize", torch::CppFunction::makeFallthrough());
+}
+
+TORCH_LIBRARY_IMPL(aten, Negative, m) {
+  m.impl("_copy_from", torch::CppFunction::makeFallthrough());
+  m.impl("_copy_from_and_resize", torch::CppFunction::makeFallthrough());
+}
+
 }  // namespace neuron

@@ -31,6 +31,9 @@ at::Tensor over(const c10::Storage& storage, const at::Tensor& like) {
       c10::Storage(storage), c10::DispatchKeySet(c10::DispatchKey::Meta), like.dtype());
   t.unsafeGetTensorImpl()->set_sizes_and_strides(like.sizes(), like.strides(),
                                                  like.storage_offset());
+  // a lazily conjugated or negated view stays one (kernels that take them read the bits)
+  t.unsafeGetTensorImpl()->_set_conj(like.is_conj());
+  t.unsafeGetTensorImpl()->_set_neg(like.is_neg());
   return t;
 }
 
