@@ -321,6 +321,16 @@ def _():
         neuron.set_launch_latency_us(10)
     return ok
 
+@check("conjugate and negative views: copies, ops and lazy results equal cpu")
+def _():
+    def f(d):
+        x = torch.tensor([1 + 2j, 3 - 1j]).to(d)
+        c = x.conj()  # a lazy view: ops resolve it into a temporary first
+        n = torch.tensor([1.0, -2.0]).to(d)._neg_view()
+        return [c.clone(), c + 0, c * x, c.sin(), c @ c, torch.tensor([1 - 1j]).conj().to(d),
+                n * 1, n.to(d)]
+    return same(f)
+
 print(json.dumps(results))
 '''
 

@@ -244,6 +244,7 @@ struct HostCall {
     for (const Fresh& f : fresh) {
       const c10::IValue& v = args[out0 + f.index];
       at::Tensor got = f.element < 0 ? v.toTensor() : v.toTensorList().get(f.element);
+      got = got.resolve_conj().resolve_neg();  // a lazy view's values (dot returns one)
       TORCH_CHECK(got.sizes() == f.dest.sizes() && got.scalar_type() == f.dest.scalar_type(),
                   "neuron: ", op.schema().name(), ": cpu's kernel returned ", got.sizes(), " ",
                   got.scalar_type(), " where its meta kernel planned ", f.dest.sizes(), " ",
@@ -360,11 +361,13 @@ bool launch_planned(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       call.args.push_back(std::move(v));
     }
   }
+  // queued while the arguments are still held here: a storage freed first would have its
+  // memory freed at once if the queue were idle
+  submit(std::move(call), schema.name().c_str());
   stack->erase(stack->begin() + static_cast<std::ptrdiff_t>(first), stack->end());
   for (auto& r : results) {
     stack->push_back(std::move(r));
   }
-  submit(std::move(call), schema.name().c_str());
   return true;
 }
 
