@@ -12,7 +12,8 @@
 //
 // Where the plan cannot be made without the values, the op runs at once instead, after the
 // queue has drained (a sync point, counted with its reason): ops that are not plannable
-// (plan.cpp), ops returning a value that is not a tensor, and random ops (the device draws from the CPU generator, which the host shares).
+// (plan.cpp), ops returning a value that is not a tensor, and random ops (the device draws
+// from the CPU generator, which the host shares).
 // View results never come here (a view op without a kernel in kernels.cpp is an error naming
 // it, never a silent copy).
 #include "neuron.h"
@@ -26,6 +27,18 @@
 #include <unordered_map>
 
 namespace neuron {
+
+at::Tensor over(const c10::Storage& storage, c10::DispatchKey key, const at::Tensor& like) {
+  at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(
+      c10::Storage(storage), c10::DispatchKeySet(key), like.dtype());
+  t.unsafeGetTensorImpl()->set_sizes_and_strides(like.sizes(), like.strides(),
+                                                 like.storage_offset());
+  // a lazily conjugated or negated view stays one (kernels that take them read the bits)
+  t.unsafeGetTensorImpl()->_set_conj(like.is_conj());
+  t.unsafeGetTensorImpl()->_set_neg(like.is_neg());
+  return t;
+}
+
 namespace {
 
 c10::Storage host_storage(const c10::Storage& storage) {
@@ -40,8 +53,6 @@ c10::Storage host_storage(const c10::Storage& storage) {
 // Device storage -> its host alias, for the arguments of one call.
 using Aliases = std::unordered_map<const c10::StorageImpl*, c10::Storage>;
 
-at::Tensor over(const c10::Storage& storage, c10::DispatchKey key, const at::Tensor& like);
-
 at::Tensor alias_in(const at::Tensor& t, Aliases& aliases) {
   const auto* key = t.storage().unsafeGetStorageImpl();
   auto it = aliases.find(key);
@@ -52,17 +63,6 @@ at::Tensor alias_in(const at::Tensor& t, Aliases& aliases) {
   return over(it->second, c10::DispatchKey::CPU, t);
 }
 
-// A tensor of ``like``'s dtype, sizes, strides and offset over ``storage``.
-at::Tensor over(const c10::Storage& storage, c10::DispatchKey key, const at::Tensor& like) {
-  at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(
-      c10::Storage(storage), c10::DispatchKeySet(key), like.dtype());
-  t.unsafeGetTensorImpl()->set_sizes_and_strides(like.sizes(), like.strides(),
-                                                 like.storage_offset());
-  // a lazily conjugated or negated view stays one (kernels that take them read the bits)
-  t.unsafeGetTensorImpl()->_set_conj(like.is_conj());
-  t.unsafeGetTensorImpl()->_set_neg(like.is_neg());
-  return t;
-}
 
 
 
@@ -222,7 +222,7 @@ const Traits& traits_of(const c10::FunctionSchema& schema) {
 struct Fresh {
   size_t index;
   int64_t element;  // -1: the return is a tensor
-  at::Tensor dest;  // a host alias of the planned device tensor (not owning it: Note below)
+  at::Tensor dest;  // a host alias of the planned device tensor (not owning it: see HostCall)
 };
 
 // The launch, on the worker: cpu's kernel on host aliases, fresh results into the plan.

@@ -27,6 +27,9 @@ bool adopt(const c10::Storage& storage);
 // neuron tensor with a fresh CPU tensor's sizes, strides and values (its memory adopted, or
 // one copy)
 at::Tensor host_alias(const at::Tensor& t);
+// A tensor of ``like``'s dtype, sizes, strides, offset and conj/neg bits over ``storage``,
+// with the key ``key`` (CPU: a host alias; Meta: a plan's twin; PrivateUse1: the device's)
+at::Tensor over(const c10::Storage& storage, c10::DispatchKey key, const at::Tensor& like);
 
 std::optional<at::Tensor> host_or_none(const std::optional<at::Tensor>& t);  // undefined: none
 at::Tensor to_device(const at::Tensor& host);

@@ -26,17 +26,6 @@
 namespace neuron {
 namespace {
 
-at::Tensor over(const c10::Storage& storage, const at::Tensor& like) {
-  at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(
-      c10::Storage(storage), c10::DispatchKeySet(c10::DispatchKey::Meta), like.dtype());
-  t.unsafeGetTensorImpl()->set_sizes_and_strides(like.sizes(), like.strides(),
-                                                 like.storage_offset());
-  // a lazily conjugated or negated view stays one (kernels that take them read the bits)
-  t.unsafeGetTensorImpl()->_set_conj(like.is_conj());
-  t.unsafeGetTensorImpl()->_set_neg(like.is_neg());
-  return t;
-}
-
 // Device storage -> its meta twin, for the arguments of one call.
 using Twins = std::unordered_map<const c10::StorageImpl*, c10::Storage>;
 
@@ -49,7 +38,7 @@ at::Tensor meta_twin(const at::Tensor& t, Twins& twins) {
                                          at::DataPtr(nullptr, c10::Device(c10::kMeta)),
                                          nullptr, /*resizable=*/false)).first;
   }
-  return over(it->second, t);
+  return over(it->second, c10::DispatchKey::Meta, t);
 }
 
 bool on_device(const at::Tensor& t) {
