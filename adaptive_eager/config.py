@@ -86,10 +86,10 @@ VARIABLES: tuple[Var, ...] = (
         "Modelled launch latency of the emulated `neuron` device, in microseconds, paid per "
         "launch on the device's timeline (not by the host); see README, The neuron device.",
         minimum=0.0, engine=False),
-    Var("NEURON_EMULATOR_IMPL", "emulator_impl", "choice", "python",
-        "Implementation of the emulated `neuron` device: `python` (tensor subclass, the "
-        "default) or `cpp` (a C++ PrivateUse1 backend built once with the machine's "
-        "compiler; being built up, not yet the default).", choices=("python", "cpp"),
+    Var("NEURON_EMULATOR_IMPL", "emulator_impl", "choice", "cpp",
+        "Implementation of the emulated `neuron` device: `cpp` (a C++ PrivateUse1 backend, "
+        "built once with the machine's compiler; the default) or `python` (the earlier "
+        "tensor-subclass device, needing no compiler).", choices=("cpp", "python"),
         engine=False),
 )
 

@@ -5,9 +5,12 @@
 For each class (elementwise, view, matmul, reduction, factory) it times a loop of one small
 op on ``cpu`` and on ``neuron`` (latency 0: the cost measured is the host's and the
 emulator's, not the modelled device's), each loop ending with a sync, and prints the median
-microseconds per op over ``--repeats`` rounds (rounds interleaved across devices) and the
-ratio neuron / cpu. Which emulated device runs is ``NEURON_EMULATOR_IMPL`` (``python`` or
-``cpp``).
+microseconds per op over ``--repeats`` rounds and the ratio neuron / cpu. Each round of each
+device runs in a fresh process of its own, on its main thread, as a user's script would
+(PyTorch's OpenMP thread teams are per calling thread and share the machine's cores: a cpu
+loop in the process that also runs the device's worker measures both), and the rounds
+alternate between the devices. Which emulated device runs is ``NEURON_EMULATOR_IMPL`` (``cpp``
+or ``python``).
 """
 
 from __future__ import annotations
@@ -52,24 +55,44 @@ def time_class(name: str, device: str, iters: int) -> float:
     return (time.perf_counter() - start) / iters * 1e6
 
 
+def _round(device: str, iters: int) -> dict:
+    """One round of every class on ``device``, in a fresh process: class -> us per op."""
+    import json
+    import subprocess
+
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); "
+            "from benchmarks import op_classes as b; "
+            "print(json.dumps(b.one_round(sys.argv[2], int(sys.argv[3]))))")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code, root, device, str(iters)],
+                         capture_output=True, text=True, check=True, timeout=600)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def one_round(device: str, iters: int) -> dict:
+    if device == "neuron":
+        neuron.set_launch_latency_us(0)
+    return {name: time_class(name, device, iters) for name in CLASSES}
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--iters", type=int, default=2000)
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args(argv)
-    neuron.set_launch_latency_us(0)
     impl = "cpp" if neuron.is_native() else "python"
     print(f"eager host cost per op (us, median of {args.repeats}), neuron device: {impl}, "
-          f"intra-op threads: {torch.get_num_threads()}")
+          f"intra-op threads: {torch.get_num_threads()}, a process per device and round")
+    got = {"cpu": [], "neuron": []}
+    for _ in range(args.repeats):
+        for device in got:
+            got[device].append(_round(device, args.iters))
     print(f"{'class':<12} {'cpu':>8} {'neuron':>8} {'ratio':>6}  spread (neuron, min-max)")
     for name in CLASSES:
-        got = {"cpu": [], "neuron": []}
-        for _ in range(args.repeats):
-            for device in got:
-                got[device].append(time_class(name, device, args.iters))
-        cpu, dev = statistics.median(got["cpu"]), statistics.median(got["neuron"])
-        print(f"{name:<12} {cpu:8.2f} {dev:8.2f} {dev / cpu:6.2f}  "
-              f"{min(got['neuron']):.2f}-{max(got['neuron']):.2f}")
+        cpu = statistics.median(r[name] for r in got["cpu"])
+        devs = [r[name] for r in got["neuron"]]
+        dev = statistics.median(devs)
+        print(f"{name:<12} {cpu:8.2f} {dev:8.2f} {dev / cpu:6.2f}  {min(devs):.2f}-{max(devs):.2f}")
 
 
 if __name__ == "__main__":

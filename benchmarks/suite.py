@@ -4,14 +4,13 @@
                          [--launch-us 0,10,50] [--repeat N] [--full] [--json PATH]
                          [--plot PATH.png]
 
-How each figure is computed, and why all modes share one process: benchmarks/README.md.
+How each figure is computed, and why each mode runs in a process of its own:
+benchmarks/README.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
-import concurrent.futures
 import contextlib
 import datetime
 import itertools
@@ -21,7 +20,6 @@ import platform
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import traceback
 import warnings
@@ -195,55 +193,123 @@ def torch_threads():
     return torch.get_num_threads()
 
 
-class _OwnThread:
-    """Runs one mode's calls on a thread of its own. The engine's state is per thread, so
-    ``adaptive`` and ``adaptive-exact`` keep their paths and graphs side by side while the
-    suite interleaves the modes' timed rounds; every mode gets the same treatment."""
+class ModeFailed(Exception):
+    """A call in a mode's process raised: its one line, and the traceback it printed there."""
 
-    def __init__(self, device: str = "cpu"):
-        init = _cudagraph_trees_on_this_thread if device == "cuda" else None
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, initializer=init)
+    def __init__(self, line: str, remote_traceback: str):
+        super().__init__(line)
+        self.remote_traceback = remote_traceback
 
-    def __call__(self, fn, *args):
-        return self._pool.submit(fn, *args).result()
+
+class _OwnProcess:
+    """One mode's process: it builds the mode's run and serves the suite's calls on it, on
+    its main thread, as a user's script runs (PyTorch's intra-op thread team belongs to the
+    calling thread: on any other thread eager ran about 2x slower on cpu). One mode per
+    process also keeps the engines of ``adaptive`` and ``adaptive-exact`` apart. The process
+    starts fresh (spawn), and lives for every workload of the run."""
+
+    def __init__(self, mode: str, device: str):
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve, args=(child, mode, device), daemon=True,
+                                 name=f"benchmarks-{mode}")
+        self._proc.start()
+        child.close()
+
+    def __call__(self, call: str, *args):
+        from benchmarks.modes import NotApplicable
+
+        try:
+            self._conn.send((call, args))
+            ok, got = self._conn.recv()
+        except (EOFError, OSError) as e:
+            raise ModeFailed(f"the mode's process died (exit code {self._proc.exitcode})",
+                             "") from e
+        if ok:
+            return got
+        kind, line, tb = got
+        if kind == "NotApplicable":
+            raise NotApplicable(line)
+        raise ModeFailed(f"{kind}: {line}", tb)
 
     def close(self):
-        self._pool.shutdown()
+        try:
+            self._conn.send(None)
+        except OSError:
+            pass
+        self._proc.join(30)
+        if self._proc.is_alive():
+            self._proc.kill()
 
 
-def _cudagraph_trees_on_this_thread():
-    """torch.compile's CUDA graph trees (``reduce-overhead``) keep their managers in state
-    that, before torch 2.13, only the importing thread and autograd's threads had (another
-    thread failed an assertion): a mode thread gets its own, which its autograd threads
-    inherit through the thread-local stash. torch 2.13 does the same by itself."""
-    import torch
-    from torch._inductor import cudagraph_trees as trees
-
-    if not torch._C._is_key_in_tls("tree_manager_containers"):
-        trees.local.tree_manager_containers = {}
-        trees.local.tree_manager_locks = collections.defaultdict(threading.Lock)
-        torch._C._stash_obj_in_tls("tree_manager_containers", trees.local.tree_manager_containers)
-        torch._C._stash_obj_in_tls("tree_manager_locks", trees.local.tree_manager_locks)
-
-
-def run_workload(name, a, results, log):
+def _serve(conn, mode: str, device: str) -> None:
+    """A mode process's main loop: (call name, args) in, (ok, result) out, until None."""
+    warnings.filterwarnings("ignore")
     import adaptive_eager as ae
-    from benchmarks.modes import MODES, NotApplicable
+    from benchmarks.modes import MODES
     from benchmarks.workloads import WORKLOADS
 
-    builder = WORKLOADS[name]
-    ae.reset()  # the previous workload's paths and graphs are not this one's
-    runs, threads, rows = {}, {}, []
+    if device == "neuron":
+        import adaptive_eager.neuron as neuron
+
+        neuron.ensure()  # before any workload names the device
+    state = {}
+
+    def build(name, size):
+        ae.reset()  # the previous workload's paths and graphs are not this one's
+        state.pop("run", None)
+        run = state["run"] = MODES[mode].build(WORKLOADS[name], device, size)
+        import threading
+
+        return dict(compiles=run.compiles, note=run.note, pid=os.getpid(),
+                    main_thread=threading.current_thread() is threading.main_thread())
+
+    calls = {
+        "build": build,
+        "count_ops": lambda: _count_ops(state["run"]),
+        "warm": lambda steps, cap_s: _warm(state["run"], steps, cap_s),
+        "timed": lambda n: _timed_mean(state["run"], n, device),
+        "floor_misses": lambda: state["run"].floor.misses if state["run"].floor else None,
+        "peak": lambda: peak_step_bytes(state["run"], device),
+        "settle": lambda: _settle(state["run"], device),
+        "latency": lambda us: _latency_setter(device)(us),
+    }
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            return
+        call, args = msg
+        try:
+            conn.send((True, calls[call](*args)))
+        except BaseException as e:  # noqa: BLE001 -- reported in the parent's table
+            conn.send((False, (type(e).__name__, str(e).splitlines()[0] if str(e) else "",
+                               "".join(traceback.format_exception(e)))))
+
+
+def _timed_mean(run, n, device):
+    m, per = _timed(run, n, _launches(device, run))
+    return m.mean, per
+
+
+def run_workload(name, a, results, log, procs):
+    from benchmarks.modes import NotApplicable
+
+    runs, rows = {}, []
 
     def failed(mode, e):
+        tb = e.remote_traceback if isinstance(e, ModeFailed) else "".join(
+            traceback.format_exception(e))
         results["failed"].append(dict(workload=name, mode=mode, error=_one_line(e),
-                                      traceback="".join(traceback.format_exception(e))))
+                                      traceback=tb))
         runs.pop(mode, None)
 
     for mode in a.modes:
-        threads[mode] = _OwnThread(a.device)
+        if mode in results["not_applicable"]:
+            continue
         try:
-            runs[mode] = threads[mode](MODES[mode].build, builder, a.device, a.size)
+            runs[mode] = procs[mode]("build", name, a.size)
         except NotApplicable as e:
             results["not_applicable"].setdefault(mode, str(e))
         except Exception as e:  # noqa: BLE001 -- reported in the table, the suite goes on
@@ -251,19 +317,22 @@ def run_workload(name, a, results, log):
     ops = kernels = None
     if "eager" in runs:  # the program's ops per step, counted once in eager
         try:
-            ops, kernels = threads["eager"](_count_ops, runs["eager"])
+            ops, kernels = procs["eager"]("count_ops")
         except Exception as e:  # noqa: BLE001
             failed("eager", e)
-    set_latency = _latency_setter(a.device)
+
+    def set_latency(us):
+        for mode in runs:
+            procs[mode]("latency", us)
+
     set_latency(a.launch_us[0])
     warm, capped = {}, {}
-    # Modes that compile in the background warm up last: their compile threads would slow
-    # the other modes' warm-up steps (Inductor holds the interpreter lock for much of a
-    # compile), and the timed rounds start once they are done (or capped).
-    for mode, run in sorted(runs.items(), key=lambda kv: kv[1].compiles):
+    # Modes that compile in the background warm up last: their compiles would slow the other
+    # modes' warm-up steps, and the timed rounds start once they are done (or capped).
+    for mode, run in sorted(runs.items(), key=lambda kv: kv[1]["compiles"]):
         log(f"{name}: {mode} warm-up")
         try:
-            warm[mode], capped[mode] = threads[mode](_warm, run, a.warm_steps, a.warmup_s)
+            warm[mode], capped[mode] = procs[mode]("warm", a.warm_steps, a.warmup_s)
         except Exception as e:  # noqa: BLE001
             failed(mode, e)
     # Steps per timed round: about 0.2 s of eager (at least 1).
@@ -275,15 +344,15 @@ def run_workload(name, a, results, log):
         samples = {m: [] for m in runs}
         launch = {m: [] for m in runs}
         for r in range(a.repeat):  # interleaved: every mode sees the same machine state
-            for mode, run in list(runs.items()):
+            for mode in list(runs):
                 log(f"{name}: timing round {r + 1}/{a.repeat}"
                     + ("" if lat is None else f" at {lat:g} us"))
                 try:
-                    m, per = threads[mode](_timed, run, n, _launches(a.device, run))
+                    mean, per = procs[mode]("timed", n)
                 except Exception as e:  # noqa: BLE001
                     failed(mode, e)
                     continue
-                samples[mode].append(m.mean)
+                samples[mode].append(mean)
                 launch[mode].append(per)
         for mode, run in runs.items():
             t = samples[mode]
@@ -300,19 +369,18 @@ def run_workload(name, a, results, log):
                 workload=name, mode=mode, device=a.device, launch_us=lat, step_s=med,
                 iqr_s=q[2] - q[0], rounds_s=t, steps_per_round=n, launches=launches,
                 ops=ops, warm_s=warm[mode], compiles_capped=capped[mode],
-                floor_misses=run.floor.misses if run.floor else None, note=run.note))
+                floor_misses=procs[mode]("floor_misses"), note=run["note"], pid=run["pid"],
+                main_thread=run["main_thread"]))
     peak = {}
-    for mode, run in runs.items():  # one more hot step each, under the memory probe
+    for mode in runs:  # one more hot step each, under the memory probe
         try:
-            peak[mode] = threads[mode](peak_step_bytes, run, a.device)
+            peak[mode] = procs[mode]("peak")
         except Exception as e:  # noqa: BLE001
             failed(mode, e)
     for row in rows:
         row["peak_bytes"] = peak.get(row["mode"])
-    for mode, run in runs.items():  # leave nothing queued or deferred behind
-        threads[mode](_settle, run, a.device)
-    for t in threads.values():
-        t.close()
+    for mode in runs:  # leave nothing queued or deferred behind
+        procs[mode]("settle")
     return rows
 
 
@@ -335,20 +403,21 @@ def peak_step_bytes(run, device):
     held when it started (parameters, optimizer state and the inputs are not counted; what the
     step allocates, its graphs' buffers included, is).
 
-    cuda: the caching allocator's peak statistic. cpu and the emulated device (whose memory
-    is CPU memory): every allocation and free the CPU allocator reports to
+    cuda and the C++ neuron device: the device allocator's peak statistic. cpu and the Python
+    neuron emulator (whose memory is CPU memory): every allocation and free the CPU allocator reports to
     ``torch.profiler`` with ``profile_memory=True``, summed in time order."""
     import torch
     from benchmarks.workloads import sync
 
     with run.active():
         sync(device)
-        if device == "cuda":
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
+        if device == "cuda" or (device == "neuron" and _native_neuron()):
+            acc = torch.accelerator
+            base = acc.memory_allocated()
+            acc.reset_peak_memory_stats()
             run.step()
             sync(device)
-            return torch.cuda.max_memory_allocated() - base
+            return acc.max_memory_allocated() - base
         from torch.profiler import ProfilerActivity, profile
 
         prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
@@ -366,6 +435,12 @@ def peak_step_bytes(run, device):
         held += e.nbytes()
         most = max(most, held)
     return most
+
+
+def _native_neuron():
+    import adaptive_eager.neuron as neuron
+
+    return neuron.is_native()
 
 
 def _count_ops(run):
@@ -592,11 +667,17 @@ def main(argv=None) -> int:
           f"{info['threads']} threads, {info['cpu']}", flush=True)
     results = dict(machine=info, rows=[], not_applicable={}, failed=[])
     t0 = time.perf_counter()
-    for i, wl in enumerate(a.workloads):
-        def log(msg, i=i):
-            _progress(f"[{i + 1}/{len(a.workloads)} {time.perf_counter() - t0:5.0f} s] {msg}")
+    procs = {mode: _OwnProcess(mode, a.device) for mode in a.modes}  # they start side by side
+    try:
+        for i, wl in enumerate(a.workloads):
+            def log(msg, i=i):
+                _progress(f"[{i + 1}/{len(a.workloads)} {time.perf_counter() - t0:5.0f} s] "
+                          f"{msg}")
 
-        results["rows"] += run_workload(wl, a, results, log)
+            results["rows"] += run_workload(wl, a, results, log, procs)
+    finally:
+        for p in procs.values():
+            p.close()
     _progress("")
     derive(results["rows"])
     print(table(results["rows"], results))

@@ -51,6 +51,10 @@ def test_every_workload_and_mode_runs_a_step(device, tmp_path):
     modes = [m for m in suite.MODE_NAMES if m not in skipped]
     assert ran == {(w, m) for w in suite.WORKLOAD_NAMES for m in modes}
     assert res["failed"] == []
+    # each mode ran on the main thread of a process of its own
+    pids = {row["mode"]: row["pid"] for row in res["rows"]}
+    assert len(set(pids.values())) == len(modes) and os.getpid() not in pids.values()
+    assert all(row["main_thread"] for row in res["rows"])
     for row in res["rows"]:
         assert row["step_s"] > 0 and row["ops"] > 0 and len(row["warm_s"]) >= 2
         assert row["speedup"] is not None and row["x_floor"] is not None

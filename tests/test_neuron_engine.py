@@ -68,7 +68,7 @@ def test_mlp_exact_bitwise_one_replay_per_step():
     assert got == ref
     assert eng[-3:] == [2, 2, 2]  # the step's replay + loss.item()
     assert dev[-3:] == eng[-3:]  # the device counted the same launches
-    assert dev[0] > 40  # cold: one launch per op
+    assert dev[0] > 30  # cold: one launch per op (a foreach op is one)
 
 
 def test_mlp_inductor_close():
@@ -102,7 +102,7 @@ def test_llama_hot_step_at_most_three_launches_bitwise():
     got, per = zoo_run("llama", "issue", DEV, True, 6)
     assert eager == ref, (eager, ref)
     assert got == ref, (got, ref, ae.stats().fallbacks)
-    assert min(eager_per) > 300  # plain eager on the device: one launch per op
+    assert min(eager_per) > 250  # plain eager on the device: one launch per op (foreach: one)
     assert max(per[-3:]) <= 3
 
 

@@ -1,8 +1,8 @@
 """The C++ neuron device (adaptive_eager/neuron/csrc, NEURON_EMULATOR_IMPL=cpp), through Python.
 
-A process holds one PrivateUse1 backend and this test session's is the Python emulator, so
-the device runs in a child process that reports each check; it is built once per torch
-version and source revision (the first build takes a minute or two).
+The checks run in a child process that reports each (a fresh process: the device's first
+op, its counters and its memory figures are a new program's); the device is built once per
+torch version and source revision (the first build takes a minute or two).
 """
 
 from __future__ import annotations
@@ -121,6 +121,26 @@ def _():
     acc.reset_peak_memory_stats()
     return (mid - before == 8 << 20 and peak >= mid and acc.memory_allocated() == before
             and acc.max_memory_allocated() == before and native.load().allocations() > 0)
+
+@check("freed blocks are reused at once, safely, and empty_cache returns them")
+def _():
+    acc = torch.accelerator
+    ext = native.load()
+    acc.synchronize()
+    acc.empty_cache()
+    base = acc.memory_reserved()
+    x = torch.ones(256, 256, device="neuron")
+    outs = []
+    for i in range(50):  # each result's block is freed while launches reading it are queued
+        y = x * i
+        outs.append((y + 1).sum())
+        del y
+    reused = acc.memory_reserved() - base < 10 * 256 * 256 * 4
+    values = [o.item() for o in outs] == [(i + 1) * 65536.0 for i in range(50)]
+    del x, outs
+    held = acc.memory_reserved() > base
+    acc.empty_cache()
+    return reused and values and held and acc.memory_reserved() == base and ext.idle()
 
 @check("ops with a cpu kernel and a decomposition run cpu's")
 def _():

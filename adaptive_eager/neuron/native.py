@@ -49,13 +49,21 @@ def load():
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         raise RuntimeError(f"adaptive_eager.neuron: the C++ device needs a C++ compiler and "
-                           f"{compiler!r} is not on PATH; install g++ (e.g. apt install g++)")
+                           f"{compiler!r} is not on PATH; install g++ (e.g. apt install g++), "
+                           "or set NEURON_EMULATOR_IMPL=python for the Python device")
     from torch.utils import cpp_extension
 
+    if shutil.which("ninja") is None:
+        try:  # the ninja package (a dependency) carries the binary, off PATH in an inactive venv
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        except ImportError:
+            pass
     if not cpp_extension.is_ninja_available():
         raise RuntimeError("adaptive_eager.neuron: the C++ device is built with ninja, which is "
                            "not on PATH; install it (pip install ninja, or apt install "
-                           "ninja-build)")
+                           "ninja-build), or set NEURON_EMULATOR_IMPL=python")
     where = build_dir()
     built = any(where.glob("*.so")) if where.exists() else False
     where.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -78,8 +86,8 @@ def _drain_at_exit() -> None:
     try:
         _module.wait("exit")
     except Exception as e:  # an error nobody synchronized for: said, not raised at exit
-        print(f"adaptive_eager.neuron: a launch failed after the last sync: {e}",
-              file=sys.stderr)
+        print(f"adaptive_eager.neuron: a launch failed and was never synchronized: "
+              f"{type(e).__name__}: {e}", file=sys.stderr)
 
 
 def register(launch_us: float) -> None:

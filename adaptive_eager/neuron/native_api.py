@@ -21,7 +21,7 @@ __all__ = [
     "is_available", "is_initialized", "device_count", "current_device", "set_device", "device",
     "get_device_name", "get_device_properties", "synchronize", "Stream", "Event",
     "current_stream", "default_stream", "set_stream", "stream", "memory_allocated",
-    "max_memory_allocated", "reset_peak_memory_stats", "memory_stats", "empty_cache",
+    "max_memory_allocated", "memory_reserved", "reset_peak_memory_stats", "memory_stats", "empty_cache",
     "manual_seed", "manual_seed_all", "seed", "initial_seed", "get_rng_state", "set_rng_state",
     "get_amp_supported_dtype",
 ]
@@ -52,12 +52,22 @@ def current_device() -> int:
 
 
 def _check(device) -> None:
-    if isinstance(device, str):
-        device = torch.device(device)
-    index = device.index if isinstance(device, torch.device) else device
-    if index not in (None, 0, -1):
-        raise RuntimeError(f"neuron: device {device!r} does not exist (the emulated device has "
-                           "one, index 0)")
+    """``device`` names the device (index 0), or a one-line error naming what is accepted."""
+    if device is None:
+        return
+    if isinstance(device, int) and not isinstance(device, bool):
+        index = device
+    else:
+        try:
+            d = torch.device(device)
+        except (RuntimeError, TypeError):
+            d = None
+        if d is None or d.type != "neuron":
+            raise ValueError(f"torch.neuron: device={device!r} is not a neuron device; "
+                             f"accepted: an index, 'neuron', 'neuron:N' or torch.device('neuron')")
+        index = 0 if d.index is None else d.index
+    if index not in (0, -1):
+        raise ValueError(f"torch.neuron: device index {index} is out of range; accepted: 0..0")
 
 
 def set_device(device) -> None:
@@ -101,20 +111,46 @@ def get_device_name(device=None) -> str:
 
 def synchronize(device=None) -> None:
     """Wait until the device's clock has passed its last launch."""
+    _check(device)
     flush("torch.neuron.synchronize")
     native.load().wait("torch.neuron.synchronize")
 
 
 # Streams and events are torch's own; the device's guard calls the engine's flush hook
 # before an event or a stream orders or waits on the queue (module.cpp ``set_flush_hook``).
-def Stream(device=None, priority=0):  # noqa: N802 -- torch.cuda.Stream's name
-    _check(device)
-    return torch.Stream("neuron", priority=priority)
+class _Torch(type):
+    """Makes ``torch.neuron.Stream``/``Event`` make PyTorch's own ``torch.Stream``/``Event``
+    (PyTorch's methods accept only those exact types: ``elapsed_time`` refuses a subclass),
+    while the names read like classes: methods, ``isinstance``, ``issubclass``."""
+
+    def __getattr__(cls, name):
+        return getattr(cls._torch, name)
+
+    def __instancecheck__(cls, obj):
+        return isinstance(obj, cls._torch)
+
+    def __subclasscheck__(cls, sub):
+        return issubclass(sub, cls._torch)
 
 
-def Event(enable_timing=False, blocking=False, interprocess=False):  # noqa: N802
-    return torch.Event("neuron", enable_timing=enable_timing, blocking=blocking,
-                       interprocess=interprocess)
+class Stream(metaclass=_Torch):
+    """A stream of the device's queue (``torch.cuda.Stream``'s signature): a ``torch.Stream``."""
+
+    _torch = torch.Stream
+
+    def __new__(cls, device=None, priority=0):
+        _check(device)
+        return torch.Stream(device=torch.device("neuron", 0), priority=priority)
+
+
+class Event(metaclass=_Torch):
+    """A point in the device's queue (``torch.cuda.Event``'s signature): a ``torch.Event``."""
+
+    _torch = torch.Event
+
+    def __new__(cls, enable_timing=False, blocking=False, interprocess=False):
+        return torch.Event(device=torch.device("neuron", 0), enable_timing=enable_timing,
+                           blocking=blocking, interprocess=interprocess)
 
 
 def current_stream(device=None):
@@ -124,7 +160,8 @@ def current_stream(device=None):
 
 def default_stream(device=None):
     _check(device)
-    return torch.Stream(stream_id=0, device_index=0, device_type=torch.device("neuron").type)
+    return torch.Stream(stream_id=0, device_index=0,
+                        device_type=torch.accelerator.current_stream(0).device_type)
 
 
 def set_stream(stream) -> None:
@@ -167,5 +204,11 @@ def memory_stats(device=None) -> dict:
     return torch.accelerator.memory_stats(0)
 
 
+def memory_reserved(device=None) -> int:
+    return torch.accelerator.memory_reserved(0)
+
+
 def empty_cache() -> None:
-    """Nothing is cached: freed buffers return to the system at once."""
+    """Return the allocator's cached free blocks to the system (after the queued launches that
+    may still touch them have run)."""
+    torch.accelerator.empty_cache()

@@ -1,8 +1,15 @@
-// The device allocator: host memory, counted. Every neuron tensor's storage comes from here
-// (factories, resize_, the fallback's outputs), so its figures are the device's real ones:
-// ``torch.accelerator.memory_allocated()`` and friends read them through the
-// ``DeviceAllocator`` interface. Nothing is cached: a freed block goes back to the system at
-// once, so reserved equals allocated and ``empty_cache()`` has nothing to release.
+// The device allocator: host memory, counted, and cached the way a device's allocator caches.
+// Every neuron tensor's storage comes from here (factories, resize_, the fallback's outputs),
+// so its figures are the device's real ones: ``torch.accelerator.memory_allocated()`` and
+// friends read them through the ``DeviceAllocator`` interface.
+//
+// Reuse: a freed block goes to a pool of its size class and the next allocation of that class
+// takes it at once, without waiting for the queue. That is safe because the queue runs every
+// launch in issue order (queue.cpp): the launches that may still touch the block were queued
+// before the free, and any launch that writes its new tenant is queued after it. The host
+// itself touches device memory only when the queue is idle or after waiting for it. A block
+// leaves the pool for the system only once the launches queued before that have run
+// (``empty_cache()``, or a pool over its bound).
 #include "neuron.h"
 
 #include <c10/core/CachingDeviceAllocator.h>
@@ -13,11 +20,17 @@
 #include <cstring>
 #include <mutex>
 #include <unordered_map>
+#include <vector>
 
 namespace neuron {
 namespace {
 
 using c10::CachingDeviceAllocator::DeviceStats;
+
+// Sizes are rounded up to a multiple of this: blocks of one class serve any request in it.
+constexpr size_t kGranule = 512;
+// The pool holds at most this many bytes; a block freed beyond it goes back to the system.
+constexpr size_t kMaxCached = size_t(1) << 30;
 
 std::mutex lock;
 DeviceStats stats;  // guarded by lock
@@ -32,53 +45,98 @@ void each_stat(Fn fn) {
   }
 }
 
-void count(size_t nbytes, bool allocated) {
-  std::lock_guard<std::mutex> guard(lock);
-  for (auto* array : {&stats.allocated_bytes, &stats.reserved_bytes, &stats.active_bytes,
-                      &stats.requested_bytes}) {
+// A block in use (``allocated``) or not; reserved blocks are those the system gave us.
+// The caller holds lock.
+void count_use(size_t nbytes, bool allocated) {
+  for (auto* array : {&stats.allocated_bytes, &stats.active_bytes, &stats.requested_bytes}) {
     auto& stat = (*array)[0];  // StatType::AGGREGATE
     allocated ? stat.increase(nbytes) : stat.decrease(nbytes);
   }
-  for (auto* array : {&stats.allocation, &stats.segment, &stats.active}) {
+  for (auto* array : {&stats.allocation, &stats.active}) {
     allocated ? (*array)[0].increase(1) : (*array)[0].decrease(1);
   }
   ++(allocated ? stats.num_device_alloc : stats.num_device_free);
 }
 
-// The deleter's context: the block and its size (the stats need the size at free time).
+void count_reserved(size_t nbytes, bool reserved) {
+  reserved ? stats.reserved_bytes[0].increase(nbytes) : stats.reserved_bytes[0].decrease(nbytes);
+  reserved ? stats.segment[0].increase(1) : stats.segment[0].decrease(1);
+}
+
+// The deleter's context: the block and its size class (kept with the block in the pool).
 struct Block {
   void* ptr;
   size_t nbytes;
 };
 
-// Freeing waits for the launches queued before it (queue.cpp): they may still read or write
-// the block, and nothing queued later can (the storage that held it is gone).
-void release(void* ctx) {
-  auto* block = static_cast<Block*>(ctx);
+std::unordered_map<size_t, std::vector<Block*>> pool;  // size class -> free blocks (lock)
+size_t cached = 0;                                     // bytes in the pool (lock)
+
+// Back to the system once the launches queued before now have run (they may still touch it).
+void give_back_later(Block* block) {
   after_queued([block] {
     c10::free_cpu(block->ptr);
-    count(block->nbytes, false);
+    {
+      std::lock_guard<std::mutex> guard(lock);
+      count_reserved(block->nbytes, false);
+    }
     delete block;
   });
+}
+
+void release(void* ctx) {
+  auto* block = static_cast<Block*>(ctx);
+  {
+    std::lock_guard<std::mutex> guard(lock);
+    count_use(block->nbytes, false);
+    if (cached + block->nbytes <= kMaxCached) {
+      pool[block->nbytes].push_back(block);
+      cached += block->nbytes;
+      return;
+    }
+  }
+  give_back_later(block);
+}
+
+// Every pooled block back to the system, after the queue has run what may touch them.
+void empty_pool() {
+  wait("empty_cache");
+  std::vector<Block*> blocks;
+  {
+    std::lock_guard<std::mutex> guard(lock);
+    for (auto& [size, list] : pool) {
+      blocks.insert(blocks.end(), list.begin(), list.end());
+      for (Block* b : list) {
+        count_reserved(b->nbytes, false);
+      }
+    }
+    pool.clear();
+    cached = 0;
+  }
+  for (Block* b : blocks) {
+    c10::free_cpu(b->ptr);
+    delete b;
+  }
 }
 
 // Blocks a CPU kernel allocated that became device memory (``adopt``): pointer -> size.
 std::unordered_map<void*, size_t> adopted;  // guarded by lock
 
-void release_adopted_now(void* ptr) {
+// Counted free at once; the memory goes back to the system once the queue has run past it.
+void release_adopted(void* ptr) {
   size_t nbytes = 0;
   {
     std::lock_guard<std::mutex> guard(lock);
     auto it = adopted.find(ptr);
     nbytes = it->second;
     adopted.erase(it);
+    count_use(nbytes, false);
   }
-  count(nbytes, false);
-  c10::free_cpu(ptr);
-}
-
-void release_adopted(void* ptr) {
-  after_queued([ptr] { release_adopted_now(ptr); });
+  after_queued([ptr, nbytes] {
+    c10::free_cpu(ptr);
+    std::lock_guard<std::mutex> guard(lock);
+    count_reserved(nbytes, false);
+  });
 }
 
 struct Allocator final : c10::DeviceAllocator {
@@ -87,9 +145,24 @@ struct Allocator final : c10::DeviceAllocator {
     if (nbytes == 0) {
       return {nullptr, nullptr, &c10::detail::deleteNothing, device};
     }
-    void* ptr = c10::alloc_cpu(nbytes);
-    count(nbytes, true);
-    return {ptr, new Block{ptr, nbytes}, &release, device};
+    const size_t size = (nbytes + kGranule - 1) / kGranule * kGranule;
+    Block* block = nullptr;
+    {
+      std::lock_guard<std::mutex> guard(lock);
+      auto it = pool.find(size);
+      if (it != pool.end() && !it->second.empty()) {
+        block = it->second.back();
+        it->second.pop_back();
+        cached -= size;
+      }
+      count_use(size, true);
+    }
+    if (block == nullptr) {
+      block = new Block{c10::alloc_cpu(size), size};
+      std::lock_guard<std::mutex> guard(lock);
+      count_reserved(size, true);
+    }
+    return {block->ptr, block, &release, device};
   }
 
   // No raw deleter: the context is not the pointer (it carries the size).
@@ -105,16 +178,17 @@ struct Allocator final : c10::DeviceAllocator {
     return true;
   }
 
-  void emptyCache(c10::MempoolId_t) override {}
+  void emptyCache(c10::MempoolId_t) override {
+    empty_pool();
+  }
 
   // One queue runs every stream's launches in order, and a launch holds the storages it uses:
   // a freed block is free of every stream at once.
   void recordStream(const c10::DataPtr&, c10::Stream) override {}
 
-  // Memory a queued launch holds is freed when it has run: the figures wait for the queue,
-  // so that they say what a program that synchronized would see.
+  // Allocated figures change when the host allocates and frees, as on a device with a
+  // caching allocator; reserved ones drop when a block goes back to the system.
   DeviceStats getDeviceStats(c10::DeviceIndex) override {
-    wait("memory stats");
     std::lock_guard<std::mutex> guard(lock);
     return stats;
   }
@@ -140,13 +214,11 @@ c10::Allocator* allocator() {
 }
 
 int64_t memory_allocated() {
-  wait("memory stats");
   std::lock_guard<std::mutex> guard(lock);
   return stats.allocated_bytes[0].current;
 }
 
 int64_t max_memory_allocated() {
-  wait("memory stats");
   std::lock_guard<std::mutex> guard(lock);
   return stats.allocated_bytes[0].peak;
 }
@@ -172,8 +244,9 @@ bool adopt(const c10::Storage& storage) {
   {
     std::lock_guard<std::mutex> guard(lock);
     adopted[data.get()] = impl->nbytes();
+    count_use(impl->nbytes(), true);
+    count_reserved(impl->nbytes(), true);
   }
-  count(impl->nbytes(), true);
   data.unsafe_set_device(c10::Device(c10::DeviceType::PrivateUse1, 0));
   impl->set_allocator(&the_allocator);
   return true;

@@ -95,9 +95,10 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
 // CompositeExplicitAutograd[NonFunctional]): every device but cpu gets the composite. Some
 // composites compute otherwise than cpu's kernel (native_layer_norm's math version,
 // silu_backward's decomposition: other roundings), the rest (structured ops' functional and
-// in-place forms) compute the same through one more dispatch. So the device runs cpu's kernel for all of them,
-// found by name when the device is registered (after every static registration: an op the
-// device has its own kernel for keeps it). Views and ops on storages never qualify.
+// in-place forms) compute the same through one more dispatch. So the device runs cpu's kernel
+// for all of them, found by name when the device is registered (after every static
+// registration: an op the device has its own kernel for keeps it). Foreach ops, too (below).
+// Views and ops on storages never qualify.
 int64_t register_cpu_kernels() {
   static auto* lib = new torch::Library(torch::Library::IMPL, "aten",
                                         c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
@@ -106,12 +107,21 @@ int64_t register_cpu_kernels() {
   for (const auto& name : dispatcher.getAllOpNames()) {
     auto op = dispatcher.findOp(name);
     if (!op || name.name.rfind("aten::", 0) != 0 ||
-        !op->hasKernelForDispatchKey(c10::DispatchKey::CPU) ||
-        op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1) ||
-        !(op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd) ||
-          op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) ||
-          op->hasKernelForDispatchKey(
-              c10::DispatchKey::CompositeExplicitAutogradNonFunctional))) {
+        op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1)) {
+      continue;
+    }
+    const bool cpu = op->hasKernelForDispatchKey(c10::DispatchKey::CPU);
+    const bool explicit_composite =
+        op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd);
+    const bool composite =
+        explicit_composite ||
+        op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd) ||
+        op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional);
+    // A foreach op is one launch, as on a device with foreach kernels, whether cpu runs it
+    // with a kernel of its own or with the composite loop over its tensors.
+    const bool foreach =
+        name.name.rfind("aten::_foreach_", 0) == 0 && (cpu || explicit_composite);
+    if (!foreach && !(cpu && composite)) {
       continue;
     }
     const auto& schema = op->schema();

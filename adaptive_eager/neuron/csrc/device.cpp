@@ -52,19 +52,23 @@ struct Guard final : c10::impl::DeviceGuardImplInterface {
   }
   // An event is a marker in the queue: reached when the launches before it have run and the
   // device clock has passed them.
-  void record(void** event, const c10::Stream&, const c10::DeviceIndex,
+  void record(void** event, const c10::Stream& stream, const c10::DeviceIndex,
               const c10::EventFlag) const override {
     flush("Event.record");
-    auto marker = record_marker();
+    auto marker = record_marker(stream.id());
     if (*event == nullptr) {
       *event = new std::shared_ptr<Marker>(std::move(marker));
     } else {
       *static_cast<std::shared_ptr<Marker>*>(*event) = std::move(marker);
     }
   }
-  // One queue runs launches in issue order: a stream waiting on an event already does.
-  void block(void*, const c10::Stream&) const override {
+  // One queue runs launches in issue order, so a stream waiting on an event already does;
+  // on the device clock, the stream's later launches start after the event.
+  void block(void* event, const c10::Stream& stream) const override {
     flush("Event.wait");
+    if (event != nullptr) {
+      stream_wait_marker(stream.id(), *static_cast<std::shared_ptr<Marker>*>(event));
+    }
   }
   bool queryEvent(void* event) const override {
     flush("Event.query");

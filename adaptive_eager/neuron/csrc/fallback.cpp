@@ -21,9 +21,11 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/EmptyTensor.h>
 #include <c10/core/CPUAllocator.h>
+#include <c10/util/SmallVector.h>
 #include <torch/library.h>
 
 #include <cstring>
+#include <mutex>
 #include <unordered_map>
 
 namespace neuron {
@@ -50,17 +52,19 @@ c10::Storage host_storage(const c10::Storage& storage) {
                       c10::GetCPUAllocator(), /*resizable=*/true);
 }
 
-// Device storage -> its host alias, for the arguments of one call.
-using Aliases = std::unordered_map<const c10::StorageImpl*, c10::Storage>;
+// Device storage -> its host alias, for the arguments of one call (a few: searched in order).
+using Aliases = c10::SmallVector<std::pair<const c10::StorageImpl*, c10::Storage>, 4>;
 
 at::Tensor alias_in(const at::Tensor& t, Aliases& aliases) {
   const auto* key = t.storage().unsafeGetStorageImpl();
-  auto it = aliases.find(key);
-  if (it == aliases.end()) {
-    it = aliases.emplace(key, host_storage(t.storage())).first;
+  for (const auto& [storage, host] : aliases) {
+    if (storage == key) {
+      return over(host, c10::DispatchKey::CPU, t);
+    }
   }
+  aliases.emplace_back(key, host_storage(t.storage()));
   // built directly (no dispatch): this runs for every tensor argument of every op
-  return over(it->second, c10::DispatchKey::CPU, t);
+  return over(aliases.back().second, c10::DispatchKey::CPU, t);
 }
 
 
@@ -153,7 +157,7 @@ void run_now(const c10::OperatorHandle& op, torch::jit::Stack* stack, const char
     at::AutoDispatchBelowADInplaceOrView guard;
     op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
   }
-  launched(std::chrono::steady_clock::now() - start, schema.name().c_str());
+  launched(std::chrono::steady_clock::now() - start, launch_name(op));
   wait_until(device_free_at());  // its results are the host's now: the launch has ended
   // results: a written argument's alias is the device tensor it aliases; fresh ones move
   const size_t m = schema.returns().size();
@@ -255,16 +259,18 @@ struct HostCall {
         f.dest.copy_(got);
       }
     }
-    args.clear();
+    // the arguments go with the launch, on the host that made them (queue.cpp)
   }
 };
 
-// A host tensor argument as it is now (the host may change it before the launch runs); a
-// wrapped number stays one (it does not take part in type promotion).
+// A host tensor argument as it is now (the host may change it before the launch runs). A
+// wrapped number (a Python number's tensor, which type promotion treats apart) is passed as it
+// is: it is the binding's own, nothing else holds it, so nothing can change it.
 at::Tensor snapshot(const at::Tensor& t) {
-  at::Tensor copy = t.clone();
-  copy.unsafeGetTensorImpl()->set_wrapped_number(t.unsafeGetTensorImpl()->is_wrapped_number());
-  return copy;
+  if (t.unsafeGetTensorImpl()->is_wrapped_number()) {
+    return t;
+  }
+  return t.clone();
 }
 
 // Queue the op as one launch; false (nothing done) where its results cannot be planned.
@@ -363,7 +369,7 @@ bool launch_planned(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   }
   // queued while the arguments are still held here: a storage freed first would have its
   // memory freed at once if the queue were idle
-  submit(std::move(call), schema.name().c_str());
+  submit(std::move(call), launch_name(op));
   stack->erase(stack->begin() + static_cast<std::ptrdiff_t>(first), stack->end());
   for (auto& r : results) {
     stack->push_back(std::move(r));
@@ -372,6 +378,23 @@ bool launch_planned(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 }
 
 }  // namespace
+
+const char* launch_name(const c10::OperatorHandle& op) {
+  // never erased: the names have static storage, as counters and error notes need
+  static auto& names = *new std::unordered_map<const c10::FunctionSchema*, std::string>;
+  static std::mutex lock;
+  const auto* schema = &op.schema();
+  std::lock_guard<std::mutex> guard(lock);
+  auto it = names.find(schema);
+  if (it == names.end()) {
+    std::string name = schema->name();
+    if (!schema->overload_name().empty()) {
+      name += "." + schema->overload_name();
+    }
+    it = names.emplace(schema, std::move(name)).first;
+  }
+  return it->second.c_str();
+}
 
 void run_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& schema = op.schema();

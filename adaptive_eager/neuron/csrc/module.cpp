@@ -55,7 +55,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     neuron::submit([held] {
       py::gil_scoped_acquire gil;
       (*held)();
-    }, static_name);
+    }, static_name, /*cpu_time=*/true);
   });
   m.def("set_latency_us", &neuron::set_latency_us);
   m.def("latency_us", &neuron::latency_us);

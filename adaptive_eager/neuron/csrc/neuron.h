@@ -33,6 +33,8 @@ at::Tensor over(const c10::Storage& storage, c10::DispatchKey key, const at::Ten
 
 std::optional<at::Tensor> host_or_none(const std::optional<at::Tensor>& t);  // undefined: none
 at::Tensor to_device(const at::Tensor& host);
+// ``aten::name.overload``, with static storage (launches are counted and named by it)
+const char* launch_name(const c10::OperatorHandle& op);
 // the boxed kernel every op without one of the device's own runs: cpu's on host aliases
 void run_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack);
 
@@ -71,11 +73,15 @@ struct Counters {
 };
 // one launch of ``name`` (static storage) issued on the calling thread's current stream
 void count_launch(const char* name);
-// a kernel issued at ``issued`` that ran for ``kernel``: its modelled end
-Clock::time_point account(Clock::time_point issued, Clock::duration kernel);
+// a kernel issued at ``issued`` on ``stream`` that ran for ``kernel``: its modelled end
+Clock::time_point account(Clock::time_point issued, Clock::duration kernel, int64_t stream);
+// when ``stream`` finishes its last launch on the device clock
+Clock::time_point stream_free_at(int64_t stream);
+// ``stream``'s later launches start no earlier than ``until`` (an event wait); its new end
+Clock::time_point stream_waits(int64_t stream, Clock::time_point until);
 // a kernel that just ran on the calling thread: counted and accounted
 void launched(Clock::duration kernel, const char* what);
-Clock::time_point device_free_at();
+Clock::time_point device_free_at();  // when every stream has finished
 void wait_until(Clock::time_point until);
 void copied(int64_t nbytes, bool to_host);
 void count_sync(const std::string& reason);
@@ -87,7 +93,9 @@ void reset_counters();
 
 // queue.cpp: the device's queue, one worker thread running launches in issue order
 // Queue one launch (counted on the current stream); returns at once unless the queue is full.
-void submit(std::function<void()> fn, const char* name);
+// Its kernel time is wall time, or the worker's CPU time with ``cpu_time`` (Python code,
+// which may wait for the interpreter lock).
+void submit(std::function<void()> fn, const char* name, bool cpu_time = false);
 // A sync point: wait until every launch has run and the device clock has passed; re-raise
 // the first error a launch raised since the last sync (with a note naming it).
 void wait(const std::string& reason);
@@ -97,9 +105,12 @@ bool idle();  // nothing queued or running
 void after_queued(std::function<void()> fn);
 // Wait while ``depth`` or more launches are unfinished on the device clock; true if it waited.
 bool wait_below(int64_t depth);
-// A point in the queue (an event): recorded now, reached when the launches before it ran.
+// A point in the queue (an event): recorded now on ``stream``, reached when the launches
+// before it ran; its time is that stream's end on the device clock.
 struct Marker;
-std::shared_ptr<Marker> record_marker();
+std::shared_ptr<Marker> record_marker(int64_t stream);
+// ``stream`` waits for the marker on the device clock (launches run in queue order anyway)
+void stream_wait_marker(int64_t stream, std::shared_ptr<Marker> marker);
 bool marker_reached(const Marker& m);  // ran, and the device clock has passed it
 void wait_marker(const Marker& m);
 double marker_ms_between(const Marker& a, const Marker& b);

@@ -11,11 +11,12 @@
 // an in-place op may do); ints, bools, strings, floats and lists of them by value (they are
 // dimensions, sizes, modes and flags); a ``Scalar`` by its type only (its value is data: a
 // learning rate changes every step and must not miss; it changes no result's shape or dtype).
-// Not plannable either: a call with a cpu tensor argument that is not a wrapped number
-// (ATen's meta kernels promote dtypes across devices otherwise than cpu's kernels do). An
-// op the meta kernel refuses (no meta kernel, a data-dependent shape, or an error cpu's
-// kernel will raise) is cached as not plannable: it runs at once (fallback.cpp), where cpu's
-// kernel raises eager's own error at the line. Where a meta kernel would refuse a ``Scalar``
+// A host tensor argument (a 0-dim scalar tensor, cpu indices) is planned with a meta twin, as
+// the launch runs cpu's kernel on it beside the host aliases (it is snapshotted when the op
+// is issued, fallback.cpp). Not plannable: a tensor of another device. An op the meta kernel
+// refuses (no meta kernel, a data-dependent shape, or an error cpu's kernel will raise) is
+// cached as not plannable: it runs at once (fallback.cpp), where cpu's kernel raises eager's
+// own error at the line. Where a meta kernel would refuse a ``Scalar``
 // value it accepted for another (``int_tensor.pow(-1)`` after ``pow(2)``), cpu's kernel raises
 // on the device instead, and the error is re-raised at the next sync naming the op.
 #include "neuron.h"
@@ -173,9 +174,12 @@ std::shared_ptr<const Plan> make_plan(const c10::OperatorHandle& op,
     const bool writes = info && info->isWrite();
     auto twin = [&](const at::Tensor& t) {
       if (!on_device(t)) {
-        // a cpu tensor that is not a wrapped number: ATen's meta kernels promote dtypes
-        // across devices otherwise than cpu's kernels do; the op runs at once
-        cpu_tensor |= t.defined() && !t.unsafeGetTensorImpl()->is_wrapped_number();
+        if (t.defined() && t.is_cpu() && !t.unsafeGetTensorImpl()->is_wrapped_number()) {
+          // a host tensor (a 0-dim scalar, cpu indices): the launch runs cpu's kernel on it
+          // beside the host aliases, so its twin is a meta tensor like theirs
+          return at::empty_strided(t.sizes(), t.strides(), t.options().device(at::kMeta));
+        }
+        cpu_tensor |= t.defined() && !t.is_cpu();  // another device's: runs at once
         return t;
       }
       at::Tensor m = meta_twin(t, twins);
@@ -274,9 +278,10 @@ std::shared_ptr<const Plan> plan_for(const c10::OperatorHandle& op,
   // per thread (the host's and autograd's), so no lock; bounded: a program whose calls never
   // repeat starts over
   thread_local std::unordered_map<std::string, std::shared_ptr<const Plan>> cache;
+  thread_local Key key;  // reused: its buffers keep their capacity from call to call
+  key.bytes.clear();
+  key.storages.clear();
   const auto& schema = op.schema();
-  Key key;
-  key.bytes.reserve(256);
   key.put<const void*>(&schema);
   for (size_t i = 0; i < schema.arguments().size(); ++i) {
     if (!key.value(stack[first + i], schema.arguments()[i])) {
@@ -291,7 +296,7 @@ std::shared_ptr<const Plan> plan_for(const c10::OperatorHandle& op,
     cache.clear();
   }
   auto plan = make_plan(op, stack, first);
-  cache.emplace(std::move(key.bytes), plan);
+  cache.emplace(key.bytes, plan);
   return plan;
 }
 

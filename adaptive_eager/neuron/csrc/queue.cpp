@@ -3,9 +3,15 @@
 // The host returns from a launch as soon as it is queued; the worker runs the CPU kernels
 // behind it over the device's memory. Streams share the one FIFO: running launches in
 // submission order is a valid schedule for any program that orders its streams with events,
-// so an event wait costs nothing. A launch keeps what it reads and writes alive (the device
-// storages it holds), so a buffer is never freed, and so never reused, while a queued launch
-// can touch it.
+// so an event wait costs the worker nothing (on the device clock, streams still overlap:
+// timeline.cpp). A launch does not own the device memory it touches; the allocator reuses a
+// freed block only for launches queued after the free, and gives it back to the system only
+// once the launches before have run (allocator.cpp).
+//
+// Host cost: a launch is one push under the queue's lock. The worker polls for the next
+// launch a short while before it sleeps, so a host issuing ops back to back wakes nobody
+// (a wake-up is a system call on each side); and what a finished launch held is let go of on
+// the host, at its next launch or sync, where that memory came from.
 //
 // Errors: an exception a launch raises is kept with the launch's name and re-raised at the
 // next sync point (the host's next read, copy to the host or synchronize), with a note naming
@@ -19,10 +25,12 @@
 #include <Python.h>
 #include <time.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 namespace neuron {
 
@@ -38,7 +46,10 @@ struct Launch {
   const char* name;          // static: an op's schema name or a literal
   Clock::time_point issued;
   std::shared_ptr<Marker> marker;
-  bool chore = false;  // runs after what is queued, but is no launch (a deferred free)
+  bool chore = false;     // runs after what is queued, but is no launch (a deferred free)
+  bool cpu_time = false;  // its kernel time is the worker's CPU time (see thread_time)
+  int64_t stream = 0;     // the stream it was issued on (the device clock is per stream)
+  bool waits = false;     // with a marker: the stream waits for it (an event wait), no record
 };
 
 // A real device's queue is bounded too: past this many queued launches the host waits.
@@ -55,7 +66,18 @@ int64_t finished = 0;          // launches the worker is done with (guarded by l
 std::deque<Clock::time_point>& ends = *new std::deque<Clock::time_point>;
 std::exception_ptr failure;    // the first error since the last sync (guarded by lock)
 thread_local bool is_worker = false;
+bool sleeping = false;         // the worker waits on ``work`` (guarded by lock)
+int waiting = 0;               // host threads waiting on ``done`` (guarded by lock)
+// What finished launches held, let go of by the host (guarded by lock): their memory was
+// allocated on the host thread, and a free from another thread costs both threads the
+// allocator's lock and its per-thread caches.
+std::vector<std::function<void()>>& spent = *new std::vector<std::function<void()>>;
+std::atomic<int64_t> queued{0};  // launches issued, readable without the lock
+// Before sleeping, the worker polls this long for the next launch: a host issuing ops back to
+// back then queues them without a wake-up call (a system call on each side).
+constexpr auto kSpin = std::chrono::microseconds(30);
 const char* failed_name = nullptr;
+int64_t skipped = 0;  // launches skipped since that error (guarded by lock)
 bool started = false;
 
 // Releases the interpreter lock, if this thread holds it, for as long as it lives.
@@ -73,8 +95,9 @@ struct NoGil {
   }
 };
 
-// The kernel's own time: the worker's CPU time, which leaves out waits for the interpreter
-// lock that a device does not have.
+// A Python launch's kernel time: the worker's CPU time, which leaves out waits for the
+// interpreter lock that a device does not have. (A C++ kernel's is wall time: this clock is
+// a system call, the wall clock is not.)
 Clock::duration thread_time() {
   timespec ts;
   clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
@@ -83,50 +106,72 @@ Clock::duration thread_time() {
 
 void run() {
   is_worker = true;
+  std::unique_lock<std::mutex> guard(lock);
   for (;;) {
-    Launch launch;
-    bool skip;
-    {
-      std::unique_lock<std::mutex> guard(lock);
+    if (fifo.empty()) {
+      const int64_t seen = issued;
+      guard.unlock();
+      const auto until = Clock::now() + kSpin;
+      for (int i = 1; queued.load(std::memory_order_acquire) == seen; ++i) {
+        __builtin_ia32_pause();
+        if (i % 32 == 0 && Clock::now() >= until) {
+          break;
+        }
+      }
+      guard.lock();
+      sleeping = true;
       work.wait(guard, [] { return !fifo.empty(); });
-      launch = std::move(fifo.front());
-      fifo.pop_front();
-      skip = failure != nullptr;
+      sleeping = false;
     }
+    Launch launch = std::move(fifo.front());
+    fifo.pop_front();
+    const bool skip = failure != nullptr;
+    guard.unlock();
     Clock::time_point end;
     if (launch.chore) {
       launch.fn();
       end = device_free_at();
-    } else if (launch.marker) {
-      end = device_free_at();
+    } else if (launch.marker && launch.waits) {
+      end = stream_waits(launch.stream, launch.marker->end);
+    } else if (launch.marker) {  // the device passes it when the stream is done and it's issued
+      end = std::max(stream_free_at(launch.stream), launch.issued);
     } else if (skip) {
       count_skipped();
-      end = device_free_at();
+      end = stream_free_at(launch.stream);
     } else {
-      const auto start = thread_time();
+      const auto start = launch.cpu_time ? thread_time() : Clock::now().time_since_epoch();
+      std::exception_ptr error;
       try {
         launch.fn();
       } catch (...) {
-        std::lock_guard<std::mutex> guard(lock);
+        error = std::current_exception();
+      }
+      const auto stop = launch.cpu_time ? thread_time() : Clock::now().time_since_epoch();
+      end = account(launch.issued, stop - start, launch.stream);
+      if (error) {
+        guard.lock();
         if (!failure) {
-          failure = std::current_exception();
+          failure = error;
           failed_name = launch.name;
         }
+        guard.unlock();
       }
-      end = account(launch.issued, thread_time() - start);
     }
-    launch.fn = nullptr;  // what it held (device memory, a Python callable) goes now
-    {
-      std::lock_guard<std::mutex> guard(lock);
-      if (launch.marker) {
-        launch.marker->end = end;
-        launch.marker->reached = true;
-      } else {
-        ends.push_back(end);
-      }
-      ++finished;
+    guard.lock();
+    if (launch.marker && !launch.waits) {
+      launch.marker->end = end;
+      launch.marker->reached = true;
+    } else if (!launch.marker) {
+      ends.push_back(end);
     }
-    done.notify_all();
+    ++finished;
+    skipped += skip && !launch.chore && !launch.marker;
+    if (launch.fn) {
+      spent.push_back(std::move(launch.fn));
+    }
+    if (waiting > 0) {
+      done.notify_all();
+    }
   }
 }
 
@@ -139,7 +184,16 @@ void block(std::unique_lock<std::mutex>& guard, Ready ready) {
   guard.unlock();
   NoGil nogil;
   guard.lock();
+  ++waiting;
   done.wait(guard, ready);
+  --waiting;
+}
+
+// Under ``guard``: takes what finished launches held, for the caller to let go of unlocked.
+std::vector<std::function<void()>> take_spent() {
+  std::vector<std::function<void()>> out;
+  out.swap(spent);
+  return out;
 }
 
 void enqueue(Launch launch) {
@@ -151,15 +205,24 @@ void enqueue(Launch launch) {
   block(guard, [] { return fifo.size() < kMaxQueued; });
   fifo.push_back(std::move(launch));
   ++issued;
+  queued.store(issued, std::memory_order_release);
+  const bool wake = sleeping;
+  auto gone = take_spent();
   guard.unlock();
-  work.notify_one();
+  if (wake) {
+    work.notify_one();
+  }
+  gone.clear();  // here, on the host, after the worker has its launch
 }
 
 }  // namespace
 
-void submit(std::function<void()> fn, const char* name) {
+void submit(std::function<void()> fn, const char* name, bool cpu_time) {
   count_launch(name);
-  enqueue(Launch{std::move(fn), name, Clock::now(), nullptr});
+  Launch launch{std::move(fn), name, Clock::now(), nullptr};
+  launch.cpu_time = cpu_time;
+  launch.stream = current_stream_id();
+  enqueue(std::move(launch));
 }
 
 void after_queued(std::function<void()> fn) {
@@ -181,13 +244,18 @@ void wait(const std::string& reason) {
   count_sync(reason);
   std::exception_ptr error;
   const char* name = nullptr;
+  int64_t later = 0;
+  std::vector<std::function<void()>> gone;
   {
     std::unique_lock<std::mutex> guard(lock);
     block(guard, [] { return finished == issued; });
     std::swap(error, failure);
     name = failed_name;
+    std::swap(later, skipped);
     ends.clear();
+    gone = take_spent();
   }
+  gone.clear();
   {
     NoGil nogil;
     wait_until(device_free_at());
@@ -197,7 +265,8 @@ void wait(const std::string& reason) {
       std::rethrow_exception(error);
     } catch (c10::Error& e) {
       e.add_context(std::string("neuron: raised on the device by ") + name +
-                    ", queued before this sync (" + reason + ")");
+                    ", queued before this sync (" + reason + "); " + std::to_string(later) +
+                    " later launch(es) skipped");
       throw;
     }
   }
@@ -232,10 +301,19 @@ bool wait_below(int64_t depth) {
   return true;
 }
 
-std::shared_ptr<Marker> record_marker() {
+std::shared_ptr<Marker> record_marker(int64_t stream) {
   auto marker = std::make_shared<Marker>();
-  enqueue(Launch{nullptr, "event", Clock::now(), marker});
+  Launch launch{nullptr, "event", Clock::now(), marker};
+  launch.stream = stream;
+  enqueue(std::move(launch));
   return marker;
+}
+
+void stream_wait_marker(int64_t stream, std::shared_ptr<Marker> marker) {
+  Launch launch{nullptr, "event wait", Clock::now(), std::move(marker)};
+  launch.stream = stream;
+  launch.waits = true;
+  enqueue(std::move(launch));
 }
 
 bool marker_reached(const Marker& m) {

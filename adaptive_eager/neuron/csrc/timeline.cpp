@@ -1,10 +1,13 @@
 // The device's timeline: what a launch costs the device, and the counters that say so.
 //
 // The device clock models the launch latency the emulator does not have: each launch starts
-// when the device is free and the host has issued it, and ends ``latency`` after its kernel:
+// when its stream is free and the host has issued it, and ends ``latency`` after its kernel:
 //
-//     start = max(end of the previous launch, issued at)
+//     start = max(end of the stream's previous launch, issued at)
 //     end   = start + latency + the kernel's measured time
+//
+// Streams overlap on this clock (the worker still runs every kernel in queue order): an event
+// is its stream's end when recorded, and a stream waiting on it starts no earlier.
 //
 // The queue (queue.cpp) runs each kernel as soon as it can and accounts for it here; a sync
 // point waits until the worker has run everything *and* the wall clock has passed the last
@@ -12,6 +15,7 @@
 // could have produced it. Counters are exact.
 #include "neuron.h"
 
+#include <map>
 #include <mutex>
 #include <thread>
 
@@ -20,7 +24,10 @@ namespace {
 
 std::mutex lock;
 Clock::time_point free_at;  // when the device finishes its last launch (guarded by lock)
-double latency_s = 10e-6;   // guarded by lock
+// per stream: when it finishes its last launch (guarded by lock)
+std::map<int64_t, Clock::time_point> stream_free;
+double latency_us_ = 10;    // as set (guarded by lock)
+double latency_s = 10e-6;   // the same in seconds (guarded by lock)
 Counters counts;            // guarded by lock
 
 }  // namespace
@@ -33,20 +40,37 @@ void count_launch(const char* name) {
   counts.launches_by_name[name] += 1;
 }
 
-Clock::time_point account(Clock::time_point issued, Clock::duration kernel) {
+Clock::time_point account(Clock::time_point issued, Clock::duration kernel, int64_t stream) {
   std::lock_guard<std::mutex> guard(lock);
-  auto start = std::max(free_at, issued);
-  auto cost = kernel + std::chrono::duration_cast<Clock::duration>(
-                           std::chrono::duration<double>(latency_s));
-  free_at = start + cost;
-  counts.busy_s += std::chrono::duration<double>(cost).count();
-  counts.kernel_s += std::chrono::duration<double>(kernel).count();
-  return free_at;
+  auto& at = stream_free[stream];
+  auto start = std::max(at, issued);
+  auto latency = std::chrono::duration_cast<Clock::duration>(
+      std::chrono::duration<double>(latency_s));
+  at = start + latency + kernel;
+  free_at = std::max(free_at, at);
+  const double k = std::chrono::duration<double>(kernel).count();
+  counts.busy_s += latency_s + k;
+  counts.kernel_s += k;
+  return at;
+}
+
+Clock::time_point stream_free_at(int64_t stream) {
+  std::lock_guard<std::mutex> guard(lock);
+  auto it = stream_free.find(stream);
+  return it == stream_free.end() ? Clock::time_point() : it->second;
+}
+
+Clock::time_point stream_waits(int64_t stream, Clock::time_point until) {
+  std::lock_guard<std::mutex> guard(lock);
+  auto& at = stream_free[stream];
+  at = std::max(at, until);
+  return at;
 }
 
 void launched(Clock::duration kernel, const char* what) {
   count_launch(what);
-  account(Clock::now() - kernel, kernel);  // it ran from (now - kernel) on this thread
+  // it ran from (now - kernel) on this thread
+  account(Clock::now() - kernel, kernel, current_stream_id());
 }
 
 Clock::time_point device_free_at() {
@@ -83,12 +107,13 @@ void wait_until(Clock::time_point until) {
 void set_latency_us(double us) {
   wait("latency change");
   std::lock_guard<std::mutex> guard(lock);
+  latency_us_ = us;
   latency_s = us * 1e-6;
 }
 
 double latency_us() {
   std::lock_guard<std::mutex> guard(lock);
-  return latency_s * 1e6;
+  return latency_us_;
 }
 
 Counters counters() {
