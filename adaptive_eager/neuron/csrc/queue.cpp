@@ -25,7 +25,9 @@
 #include <Python.h>
 #include <time.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <condition_variable>
 #include <deque>
 #include <mutex>
@@ -67,7 +69,9 @@ std::deque<Clock::time_point>& ends = *new std::deque<Clock::time_point>;
 std::exception_ptr failure;    // the first error since the last sync (guarded by lock)
 thread_local bool is_worker = false;
 bool sleeping = false;         // the worker waits on ``work`` (guarded by lock)
-int waiting = 0;               // host threads waiting on ``done`` (guarded by lock)
+// The worker wakes waiting host threads once this many launches have finished, not after
+// every launch: a host woken for nothing takes a core from the kernels (guarded by lock).
+int64_t wake_at = INT64_MAX;
 // What finished launches held, let go of by the host (guarded by lock): their memory was
 // allocated on the host thread, and a free from another thread costs both threads the
 // allocator's lock and its per-thread caches.
@@ -169,24 +173,27 @@ void run() {
     if (launch.fn) {
       spent.push_back(std::move(launch.fn));
     }
-    if (waiting > 0) {
+    if (finished >= wake_at) {
+      wake_at = INT64_MAX;  // whoever still waits says again when to wake it
       done.notify_all();
     }
   }
 }
 
-// Under ``guard``: wait (without the interpreter lock) until ``ready``.
-template <typename Ready>
-void block(std::unique_lock<std::mutex>& guard, Ready ready) {
+// Under ``guard``: wait (without the interpreter lock) until ``ready``, which can only turn
+// true once ``finished`` reaches ``target()``.
+template <typename Ready, typename Target>
+void block(std::unique_lock<std::mutex>& guard, Ready ready, Target target) {
   if (ready()) {
     return;
   }
   guard.unlock();
   NoGil nogil;
   guard.lock();
-  ++waiting;
-  done.wait(guard, ready);
-  --waiting;
+  while (!ready()) {
+    wake_at = std::min(wake_at, target());
+    done.wait(guard);
+  }
 }
 
 // Under ``guard``: takes what finished launches held, for the caller to let go of unlocked.
@@ -202,7 +209,7 @@ void enqueue(Launch launch) {
     std::thread(run).detach();  // lives as long as the process
     started = true;
   }
-  block(guard, [] { return fifo.size() < kMaxQueued; });
+  block(guard, [] { return fifo.size() < kMaxQueued; }, [] { return finished + 1; });
   fifo.push_back(std::move(launch));
   ++issued;
   queued.store(issued, std::memory_order_release);
@@ -248,7 +255,7 @@ void wait(const std::string& reason) {
   std::vector<std::function<void()>> gone;
   {
     std::unique_lock<std::mutex> guard(lock);
-    block(guard, [] { return finished == issued; });
+    block(guard, [] { return finished == issued; }, [] { return issued; });
     std::swap(error, failure);
     name = failed_name;
     std::swap(later, skipped);
@@ -287,7 +294,7 @@ bool wait_below(int64_t depth) {
   while (inflight() >= depth) {
     if (issued > finished) {
       const int64_t target = finished + 1;
-      block(guard, [target] { return finished >= target; });
+      block(guard, [target] { return finished >= target; }, [target] { return target; });
     } else {
       const auto until = ends.front();
       guard.unlock();
@@ -325,7 +332,7 @@ void wait_marker(const Marker& m) {
   Clock::time_point end;
   {
     std::unique_lock<std::mutex> guard(lock);
-    block(guard, [&m] { return m.reached; });
+    block(guard, [&m] { return m.reached; }, [] { return finished + 1; });
     end = m.end;
   }
   NoGil nogil;
