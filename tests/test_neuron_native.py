@@ -142,6 +142,23 @@ def _():
     acc.empty_cache()
     return reused and values and held and acc.memory_reserved() == base and ext.idle()
 
+@check("autocast casts as on cuda: matmuls in bf16, log and softmax in fp32, backward runs")
+def _():
+    torch.manual_seed(0)
+    x, w = torch.randn(4, 8), torch.randn(8, 3)
+    xd, wd = x.to("neuron"), w.to("neuron").requires_grad_()
+    with torch.autocast("neuron", dtype=torch.bfloat16):
+        y = xd @ wd
+        z = torch.log(y.abs() + 1)
+        s = torch.softmax(y, -1)
+    (z.sum() + s.sum()).backward()
+    ref = x.bfloat16() @ w.bfloat16()
+    return (y.dtype == torch.bfloat16 and z.dtype == s.dtype == torch.float32
+            and torch.equal(y.cpu(), ref)
+            and torch.equal(z.cpu(), torch.log((ref.abs() + 1).float()))
+            and torch.equal(s.cpu(), torch.softmax(ref.float(), -1))
+            and wd.grad is not None and wd.grad.dtype == torch.float32)
+
 @check("ops with a cpu kernel and a decomposition run cpu's")
 def _():
     def f(d):
