@@ -159,6 +159,26 @@ def _():
             and torch.equal(s.cpu(), torch.softmax(ref.float(), -1))
             and wd.grad is not None and wd.grad.dtype == torch.float32)
 
+@check("ops whose cpu kernel returns other than their meta kernel plans equal cpu (the sweep)")
+def _():
+    def f(d):
+        torch.manual_seed(0)
+        x16 = torch.randn(2, 3, dtype=torch.bfloat16).to(d)
+        x = torch.randn(2, 3, 4, 4).to(d)
+        w, i, off = torch.randn(10, 3).to(d), torch.tensor([1, 2, 4, 5, 4, 3]).to(d), \
+            torch.tensor([0, 4]).to(d)
+        pooled, idx = nn.functional.max_pool2d(torch.randn(1, 2, 4, 4).to(d), 2,
+                                               return_indices=True)
+        return [*torch.native_layer_norm(x16, [3], None, None, 1e-5),
+                *torch.ops.aten._native_batch_norm_legit(
+                    x, None, None, torch.zeros(3, device=d), torch.ones(3, device=d), False,
+                    0.1, 1e-5),
+                *torch.ops.aten._embedding_bag_forward_only(w, i, off),
+                nn.functional.max_unpool2d(pooled, idx, 2)]
+    ref, got = f("cpu"), f("neuron")
+    return all(r.dtype == g.dtype and r.shape == g.shape and r.stride() == g.stride()
+               and torch.equal(r, g.cpu()) for r, g in zip(ref, got))
+
 @check("ops with a cpu kernel and a decomposition run cpu's")
 def _():
     def f(d):

@@ -229,6 +229,16 @@ struct Fresh {
   at::Tensor dest;  // a host alias of the planned device tensor (not owning it: see HostCall)
 };
 
+// Same strides wherever they matter (a dimension of size 1 or 0 may have any stride).
+bool same_layout(const at::Tensor& a, const at::Tensor& b) {
+  for (int64_t d = 0; d < a.dim(); ++d) {
+    if (a.size(d) > 1 && a.stride(d) != b.stride(d)) {
+      return false;
+    }
+  }
+  return true;
+}
+
 // The launch, on the worker: cpu's kernel on host aliases, fresh results into the plan.
 struct HostCall {
   c10::OperatorHandle op;
@@ -249,6 +259,10 @@ struct HostCall {
       const c10::IValue& v = args[out0 + f.index];
       at::Tensor got = f.element < 0 ? v.toTensor() : v.toTensorList().get(f.element);
       got = got.resolve_conj().resolve_neg();  // a lazy view's values (dot returns one)
+      if (got.sizes() != f.dest.sizes() || got.scalar_type() != f.dest.scalar_type() ||
+          !same_layout(got, f.dest)) {
+        learn_disagreement(op);  // its later calls run at once, as cpu returns them
+      }
       TORCH_CHECK(got.sizes() == f.dest.sizes() && got.scalar_type() == f.dest.scalar_type(),
                   "neuron: ", op.schema().name(), ": cpu's kernel returned ", got.sizes(), " ",
                   got.scalar_type(), " where its meta kernel planned ", f.dest.sizes(), " ",

@@ -57,6 +57,8 @@ struct Plan {
 };
 std::shared_ptr<const Plan> plan_for(const c10::OperatorHandle& op,
                                      const torch::jit::Stack& stack, size_t first);
+// A launch found cpu's kernel returning other than the plan: the op is not planned again.
+void learn_disagreement(const c10::OperatorHandle& op);
 
 // timeline.cpp: the launch model (latency on the device's clock) and the exact counters
 struct Counters {

@@ -21,8 +21,11 @@
 // on the device instead, and the error is re-raised at the next sync naming the op.
 #include "neuron.h"
 
+#include <atomic>
 #include <cstring>
+#include <mutex>
 #include <unordered_map>
+#include <unordered_set>
 
 namespace neuron {
 namespace {
@@ -148,18 +151,35 @@ struct Key {
   }
 };
 
-// Ops whose cpu kernel returns other sizes than their meta kernel plans: never planned.
-bool disagrees(const c10::FunctionSchema& schema) {
-  // in eval mode cpu returns empty saved statistics, the meta kernel full-size ones
-  return schema.name() == "aten::native_batch_norm" ||
-         schema.name() == "aten::_native_batch_norm_legit_no_training";
+// Ops whose cpu kernel returns other sizes, dtypes or strides than their meta kernel plans
+// (found by the OpInfo sweep on the device, tests/fidelity): never planned, they run at once.
+// A launch that finds another such op adds it (``learn_disagreement``, fallback.cpp).
+std::mutex disagreeing_lock;
+std::unordered_set<std::string>& disagreeing = *new std::unordered_set<std::string>{
+    // in eval mode cpu returns empty saved statistics, the meta kernel full-size ones
+    "aten::native_batch_norm", "aten::_native_batch_norm_legit",
+    "aten::_native_batch_norm_legit_no_training",
+    // cpu's offset2bag, bag_size and max_indices take other sizes than the meta kernel's
+    "aten::_embedding_bag", "aten::_embedding_bag_forward_only",
+    // cpu returns other strides
+    "aten::max_unpool2d", "aten::max_unpool3d", "aten::_linalg_svd", "aten::linalg_lstsq"};
+
+bool disagrees(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first) {
+  const auto& schema = op.schema();
+  if (schema.name() == "aten::native_layer_norm") {
+    // cpu returns the mean and rstd in a 16-bit input's dtype, the meta kernel in float
+    const at::ScalarType t = stack[first].toTensor().scalar_type();
+    return t == at::kBFloat16 || t == at::kHalf;
+  }
+  std::lock_guard<std::mutex> guard(disagreeing_lock);
+  return disagreeing.count(schema.name()) > 0;
 }
 
 std::shared_ptr<const Plan> make_plan(const c10::OperatorHandle& op,
                                       const torch::jit::Stack& stack, size_t first) {
   auto plan = std::make_shared<Plan>();
   const auto& schema = op.schema();
-  if (disagrees(schema)) {
+  if (disagrees(op, stack, first)) {
     return plan;
   }
   const size_t n = schema.arguments().size();
@@ -273,12 +293,28 @@ std::shared_ptr<const Plan> make_plan(const c10::OperatorHandle& op,
 
 }  // namespace
 
+namespace {
+std::atomic<int> disagreements{0};  // bumped by each one learned: cached plans are dropped
+}  // namespace
+
+void learn_disagreement(const c10::OperatorHandle& op) {
+  std::lock_guard<std::mutex> guard(disagreeing_lock);
+  if (disagreeing.insert(op.schema().name()).second) {
+    disagreements.fetch_add(1);
+  }
+}
+
 std::shared_ptr<const Plan> plan_for(const c10::OperatorHandle& op,
                                      const torch::jit::Stack& stack, size_t first) {
   // per thread (the host's and autograd's), so no lock; bounded: a program whose calls never
   // repeat starts over
   thread_local std::unordered_map<std::string, std::shared_ptr<const Plan>> cache;
   thread_local Key key;  // reused: its buffers keep their capacity from call to call
+  thread_local int known_disagreements = 0;
+  if (const int n = disagreements.load(std::memory_order_relaxed); n != known_disagreements) {
+    cache.clear();
+    known_disagreements = n;
+  }
   key.bytes.clear();
   key.storages.clear();
   const auto& schema = op.schema();
