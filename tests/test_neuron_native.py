@@ -179,6 +179,13 @@ def _():
     return all(r.dtype == g.dtype and r.shape == g.shape and r.stride() == g.stride()
                and torch.equal(r, g.cpu()) for r, g in zip(ref, got))
 
+@check("autograd's ZeroTensors (sgn's backward) arrive as zeros, not a crash")
+def _():
+    x = torch.randn(5, 5).to("neuron").requires_grad_()
+    torch.sgn(x).sum().backward()
+    z = torch._efficientzerotensor((3, 4), device="neuron")
+    return torch.equal(x.grad.cpu(), torch.zeros(5, 5)) and torch.equal(z.cpu(), torch.zeros(3, 4))
+
 @check("ops with a cpu kernel and a decomposition run cpu's")
 def _():
     def f(d):

@@ -258,6 +258,10 @@ struct HostCall {
     for (const Fresh& f : fresh) {
       const c10::IValue& v = args[out0 + f.index];
       at::Tensor got = f.element < 0 ? v.toTensor() : v.toTensorList().get(f.element);
+      if (got._is_zerotensor()) {  // a ZeroTensor (autograd's zeros) has no memory to copy
+        f.dest.zero_();
+        continue;
+      }
       got = got.resolve_conj().resolve_neg();  // a lazy view's values (dot returns one)
       if (got.sizes() != f.dest.sizes() || got.scalar_type() != f.dest.scalar_type() ||
           !same_layout(got, f.dest)) {
