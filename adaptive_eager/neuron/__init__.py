@@ -2,10 +2,12 @@
 
 ``import adaptive_eager.neuron`` makes ``neuron`` a PyTorch device: ``.to("neuron")``,
 ``torch.neuron`` (the ``torch.cuda`` surface) and ``torch.accelerator`` work unchanged.
-With ``torch_neuronx`` importable its device is used as it is; otherwise a pure-Python
-emulated device is registered (``emulator``): tensors with CPU backing storage, every op a
-launch on a hardware queue run by a worker thread, with a modelled launch latency
-(``NEURON_EMULATOR_LAUNCH_US``) paid on the device's clock.
+With ``torch_neuronx`` importable its device is used as it is; otherwise an emulated device
+is registered: by default the C++ PrivateUse1 backend (``native``, built once with the
+machine's compiler: plain tensors over the device's own memory, every op a launch on a queue
+run by a C++ worker thread), or with ``NEURON_EMULATOR_IMPL=python`` the earlier Python
+device (``emulator``). Either pays a modelled launch latency (``NEURON_EMULATOR_LAUNCH_US``)
+on the device's clock.
 
 Exact counters of the emulated device (launches per stream, bytes copied, modelled busy
 time) are read with ``counters()``; ``set_launch_latency_us()`` changes the modelled latency.
