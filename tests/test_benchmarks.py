@@ -26,12 +26,11 @@ def _suite(*args, timeout=900):
                           capture_output=True, text=True, timeout=timeout)
 
 
-# Warm-up waits for the engine's background compiles (tiny graphs: seconds). While one runs,
-# a torch.compile'd function called on another thread can raise "Detected that you are
-# using FX to symbolically trace a dynamo-optimized function": make_fx sets a process-wide
-# flag (torch.fx._symbolic_trace._is_fx_tracing_flag) that dynamo reads on every thread.
-# That is an engine bug, open; the suite's test does not race with it.
-TINY = ("--size", "tiny", "--repeat", "1", "--warm-steps", "2", "--warmup-s", "300",
+# Each mode runs in a process of its own, so the engine's background compiles cannot race a
+# torch.compile'd function (make_fx's process-wide tracing flag was the hazard when modes
+# shared a process). The test checks that every workload and mode runs, not how fast: the
+# warm-up stops after 20 s even where compiles are still pending (cold caches on CI).
+TINY = ("--size", "tiny", "--repeat", "1", "--warm-steps", "2", "--warmup-s", "20",
         "--workloads", ",".join(suite.WORKLOAD_NAMES))
 
 
