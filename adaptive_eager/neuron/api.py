@@ -56,10 +56,11 @@ def current_device() -> int:
     return getattr(_tls, "index", 0)
 
 
-def _index(device) -> int:
-    """The device index ``device`` names; a clear error for anything else."""
+def device_index(device, current: int, count: int) -> int:
+    """The device index ``device`` names (None or -1: ``current``) among ``count`` devices;
+    a one-line error naming the bad value and the accepted ones for anything else."""
     if device is None:
-        return current_device()
+        return current
     if isinstance(device, int) and not isinstance(device, bool):
         index = device
     else:
@@ -70,11 +71,17 @@ def _index(device) -> int:
         if d is None or d.type != "neuron":
             raise ValueError(f"torch.neuron: device={device!r} is not a neuron device; "
                              f"accepted: an index, 'neuron', 'neuron:N' or torch.device('neuron')")
-        index = current_device() if d.index is None else d.index
-    if not 0 <= index < device_count():
+        index = current if d.index is None else d.index
+    if index == -1:
+        index = current
+    if not 0 <= index < count:
         raise ValueError(f"torch.neuron: device index {index} is out of range; "
-                         f"accepted: 0..{device_count() - 1}")
+                         f"accepted: 0..{count - 1}")
     return index
+
+
+def _index(device) -> int:
+    return device_index(device, current_device(), device_count())
 
 
 def set_device(device) -> None:

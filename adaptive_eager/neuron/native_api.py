@@ -13,6 +13,7 @@ import torch
 
 from . import native
 from .hardware import flush  # the engine launches what it defers before the queue is ordered
+from .api import device_index
 from .api import (  # noqa: F401 -- the same on both devices: the CPU default generator
     get_amp_supported_dtype, get_rng_state, initial_seed, manual_seed, manual_seed_all, seed,
     set_rng_state)
@@ -53,21 +54,7 @@ def current_device() -> int:
 
 def _check(device) -> None:
     """``device`` names the device (index 0), or a one-line error naming what is accepted."""
-    if device is None:
-        return
-    if isinstance(device, int) and not isinstance(device, bool):
-        index = device
-    else:
-        try:
-            d = torch.device(device)
-        except (RuntimeError, TypeError):
-            d = None
-        if d is None or d.type != "neuron":
-            raise ValueError(f"torch.neuron: device={device!r} is not a neuron device; "
-                             f"accepted: an index, 'neuron', 'neuron:N' or torch.device('neuron')")
-        index = 0 if d.index is None else d.index
-    if index not in (0, -1):
-        raise ValueError(f"torch.neuron: device index {index} is out of range; accepted: 0..0")
+    device_index(device, current=0, count=1)
 
 
 def set_device(device) -> None:

@@ -398,10 +398,14 @@ bool launch_planned(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 }  // namespace
 
 const char* launch_name(const c10::OperatorHandle& op) {
+  const auto* schema = &op.schema();
+  thread_local std::unordered_map<const c10::FunctionSchema*, const char*> known;  // no lock
+  if (auto it = known.find(schema); it != known.end()) {
+    return it->second;
+  }
   // never erased: the names have static storage, as counters and error notes need
   static auto& names = *new std::unordered_map<const c10::FunctionSchema*, std::string>;
   static std::mutex lock;
-  const auto* schema = &op.schema();
   std::lock_guard<std::mutex> guard(lock);
   auto it = names.find(schema);
   if (it == names.end()) {
@@ -411,7 +415,7 @@ const char* launch_name(const c10::OperatorHandle& op) {
     }
     it = names.emplace(schema, std::move(name)).first;
   }
-  return it->second.c_str();
+  return known[schema] = it->second.c_str();
 }
 
 void run_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack) {

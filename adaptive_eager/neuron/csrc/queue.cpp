@@ -62,7 +62,8 @@ std::mutex& lock = *new std::mutex;
 std::condition_variable& work = *new std::condition_variable;  // the worker waits for launches
 std::condition_variable& done = *new std::condition_variable;  // the host waits for the worker
 std::deque<Launch>& fifo = *new std::deque<Launch>;            // guarded by lock
-int64_t issued = 0;            // launches queued, ever (guarded by lock)
+// launches queued, ever (written under lock; the idle worker polls it without the lock)
+std::atomic<int64_t> issued{0};
 int64_t finished = 0;          // launches the worker is done with (guarded by lock)
 // modelled ends of finished launches not yet passed (guarded by lock)
 std::deque<Clock::time_point>& ends = *new std::deque<Clock::time_point>;
@@ -76,7 +77,6 @@ int64_t wake_at = INT64_MAX;
 // allocated on the host thread, and a free from another thread costs both threads the
 // allocator's lock and its per-thread caches.
 std::vector<std::function<void()>>& spent = *new std::vector<std::function<void()>>;
-std::atomic<int64_t> queued{0};  // launches issued, readable without the lock
 // Before sleeping, the worker polls this long for the next launch: a host issuing ops back to
 // back then queues them without a wake-up call (a system call on each side).
 constexpr auto kSpin = std::chrono::microseconds(30);
@@ -116,8 +116,10 @@ void run() {
       const int64_t seen = issued;
       guard.unlock();
       const auto until = Clock::now() + kSpin;
-      for (int i = 1; queued.load(std::memory_order_acquire) == seen; ++i) {
+      for (int i = 1; issued.load(std::memory_order_acquire) == seen; ++i) {
+#if defined(__x86_64__) || defined(__i386__)
         __builtin_ia32_pause();
+#endif
         if (i % 32 == 0 && Clock::now() >= until) {
           break;
         }
@@ -212,7 +214,6 @@ void enqueue(Launch launch) {
   block(guard, [] { return fifo.size() < kMaxQueued; }, [] { return finished + 1; });
   fifo.push_back(std::move(launch));
   ++issued;
-  queued.store(issued, std::memory_order_release);
   const bool wake = sleeping;
   auto gone = take_spent();
   guard.unlock();
@@ -255,7 +256,7 @@ void wait(const std::string& reason) {
   std::vector<std::function<void()>> gone;
   {
     std::unique_lock<std::mutex> guard(lock);
-    block(guard, [] { return finished == issued; }, [] { return issued; });
+    block(guard, [] { return finished == issued; }, [] { return issued.load(); });
     std::swap(error, failure);
     name = failed_name;
     std::swap(later, skipped);
