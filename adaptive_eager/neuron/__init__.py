@@ -81,7 +81,8 @@ def counters(index: int = 0):
                         bytes_to_host=int(c["bytes_to_host"]), syncs=int(c["syncs"]),
                         syncs_by_reason=ext.syncs_by_reason(), busy_s=c["busy_s"],
                         kernel_s=c["kernel_s"],
-                        skipped_after_error=int(c["skipped_after_error"]))
+                        skipped_after_error=int(c["skipped_after_error"]),
+                        dropped_out_forms=ext.dropped_out_forms())
     d = _device(index)
     d.synchronize("counters")
     return copy.deepcopy(d.counters)

@@ -64,6 +64,8 @@ class Counters:
     busy_s: float = 0.0  # modelled device time: sum of (latency + kernel) over launches
     kernel_s: float = 0.0  # measured time of the kernels alone
     skipped_after_error: int = 0
+    # the C++ device's: ops whose out= form it stopped using, and why (for the process)
+    dropped_out_forms: dict = dataclasses.field(default_factory=dict)
 
 
 class _Launch:

@@ -27,7 +27,7 @@ __all__ = ["load", "register", "build_dir", "SOURCES"]
 _CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("allocator.cpp", "device.cpp", "kernels.cpp", "fallback.cpp", "overrideable.cpp",
            "generator.cpp", "choices.cpp", "plan.cpp", "timeline.cpp", "queue.cpp", "module.cpp",
-           "autocast.cpp")
+           "autocast.cpp", "out_form.cpp", "random.cpp")
 _module = None
 _LIB = None  # the Python kernels' registrations (kept alive)
 

@@ -12,8 +12,9 @@
 //
 // Where the plan cannot be made without the values, the op runs at once instead, after the
 // queue has drained (a sync point, counted with its reason): ops that are not plannable
-// (plan.cpp), ops returning a value that is not a tensor, and random ops (the device draws
-// from the CPU generator, which the host shares).
+// (plan.cpp), ops returning a value that is not a tensor, and random ops that read device
+// memory (the device draws from the CPU generator, which the host shares, so draws happen
+// in program order on the host; random.cpp draws a filler's numbers without waiting).
 // View results never come here (a view op without a kernel in kernels.cpp is an error naming
 // it, never a silent copy).
 #include "neuron.h"
@@ -43,13 +44,14 @@ at::Tensor over(const c10::Storage& storage, c10::DispatchKey key, const at::Ten
 
 namespace {
 
-c10::Storage host_storage(const c10::Storage& storage) {
+// ``resizable``: an out= argument the kernel resizes moves to fresh CPU memory (its result is
+// then moved back into the device tensor: run_now). A launch's planned results are not: a
+// kernel that would resize one raises instead (HostCall::run_out_form).
+c10::Storage host_storage(const c10::Storage& storage, bool resizable = true) {
   void* data = storage.mutable_data();
   return c10::Storage(c10::Storage::use_byte_size_t(), storage.nbytes(),
                       at::DataPtr(data, data, &c10::detail::deleteNothing, c10::kCPU),
-                      // an out= argument the kernel resizes moves to fresh CPU memory; the
-                      // result is then moved back into the device tensor (run_on_host)
-                      c10::GetCPUAllocator(), /*resizable=*/true);
+                      resizable ? c10::GetCPUAllocator() : nullptr, resizable);
 }
 
 // Device storage -> its host alias, for the arguments of one call (a few: searched in order).
@@ -227,6 +229,9 @@ struct Fresh {
   size_t index;
   int64_t element;  // -1: the return is a tensor
   at::Tensor dest;  // a host alias of the planned device tensor (not owning it: see HostCall)
+  // the plan, for an out= form that changed dest (HostCall::run_out_form)
+  c10::Storage storage;
+  c10::impl::SizesAndStrides sizes;
 };
 
 // Same strides wherever they matter (a dimension of size 1 or 0 may have any stride).
@@ -239,6 +244,27 @@ bool same_layout(const at::Tensor& a, const at::Tensor& b) {
   return true;
 }
 
+// Holds back the warnings raised while it lives; ``pass_on`` gives them to the handler that
+// was in place.
+class HeldWarnings : public c10::WarningHandler {
+ public:
+  HeldWarnings() : outer_(c10::WarningUtils::get_warning_handler()), guard_(this) {}
+  void process(const c10::Warning& warning) override {
+    held_.push_back(warning);
+  }
+  void pass_on() {
+    for (const c10::Warning& w : held_) {
+      outer_->process(w);
+    }
+    held_.clear();
+  }
+
+ private:
+  c10::WarningHandler* outer_;
+  c10::WarningUtils::WarningHandlerGuard guard_;
+  std::vector<c10::Warning> held_;
+};
+
 // The launch, on the worker: cpu's kernel on host aliases, fresh results into the plan.
 struct HostCall {
   c10::OperatorHandle op;
@@ -248,11 +274,21 @@ struct HostCall {
   // the free have run (allocator.cpp).
   torch::jit::Stack args;
   std::vector<Fresh> fresh;
+  OutForm* out = nullptr;  // every result is fresh and the op has an out= form (out_form.cpp)
 
   void operator()() {
+    const bool tried = out && out->usable.load(std::memory_order_relaxed);
+    bool raised = false;
+    if (tried && run_out_form(raised)) {
+      return;
+    }
     {
       at::AutoDispatchBelowADInplaceOrView guard;
       op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &args);
+    }
+    if (tried) {
+      out->drop(raised ? "its out= form raised where the op does not"
+                       : "its out= form sized a result otherwise than the plan");
     }
     const size_t out0 = args.size() - op.schema().returns().size();
     for (const Fresh& f : fresh) {
@@ -278,6 +314,38 @@ struct HostCall {
       }
     }
     // the arguments go with the launch, on the host that made them (queue.cpp)
+  }
+
+  // cpu's out= kernel writes the results into the planned memory. False where the form
+  // raised or left a result other than planned (another shape: cpu's kernel disagrees with
+  // the meta kernel); the results are then as planned again, for the functional form, and
+  // the warnings the form gave are dropped (the functional form gives its own).
+  bool run_out_form(bool& raised) {
+    torch::jit::Stack stack(args);
+    for (const Fresh& f : fresh) {
+      stack.emplace_back(f.dest);
+    }
+    HeldWarnings warnings;
+    try {
+      at::AutoDispatchBelowADInplaceOrView guard;
+      out->op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &stack);
+    } catch (const c10::Error&) {
+      raised = true;
+    }
+    bool ok = !raised;
+    for (const Fresh& f : fresh) {
+      at::TensorImpl* impl = f.dest.unsafeGetTensorImpl();
+      if (!impl->storage().is_alias_of(f.storage) || f.dest.sizes() != f.sizes.sizes_arrayref() ||
+          f.dest.strides() != f.sizes.strides_arrayref()) {
+        impl->set_storage_keep_dtype(f.storage);
+        impl->set_sizes_and_strides(f.sizes.sizes_arrayref(), f.sizes.strides_arrayref(), 0);
+        ok = false;
+      }
+    }
+    if (ok) {
+      warnings.pass_on();
+    }
+    return ok;
   }
 };
 
@@ -351,10 +419,20 @@ bool launch_planned(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   }
   // the launch's arguments: host aliases now (a later resize_ waits for the queue), values
   // the host may change before the launch runs copied
-  for (Fresh& f : fresh) {
-    f.dest = host_alias(f.dest);
+  OutForm* out = nullptr;
+  if (!fresh.empty() && fresh.size() == plan->returns.size() && fresh[0].element < 0) {
+    out = out_form(op);  // every result a fresh tensor (no list: out_form checks)
   }
-  HostCall call{op, {}, std::move(fresh)};
+  for (Fresh& f : fresh) {
+    const at::Tensor& dev = f.dest;
+    f.dest = over(host_storage(dev.storage(), /*resizable=*/false), c10::DispatchKey::CPU, dev);
+    if (out) {
+      f.storage = f.dest.storage();
+      f.sizes.set_sizes(dev.sizes());
+      f.sizes.set_strides(dev.strides());
+    }
+  }
+  HostCall call{op, {}, std::move(fresh), out};
   call.args.reserve(n);
   Aliases aliases;
   for (size_t i = 0; i < n; ++i) {
@@ -426,7 +504,9 @@ void run_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (t.reads) {
     run_now(op, stack, "reads a value");
   } else if (t.random) {
-    run_now(op, stack, "random op");
+    if (!draw_on_host(op, stack)) {
+      run_now(op, stack, "random op");
+    }
   } else if (!launch_planned(op, stack)) {
     run_now(op, stack, "not planned");
   }

@@ -80,4 +80,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return out;
   });
   m.def("syncs_by_reason", [] { return neuron::counters().syncs_by_reason; });
+  m.def("dropped_out_forms", &neuron::dropped_out_forms);
 }

@@ -5,6 +5,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/Allocator.h>
 
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <map>
@@ -59,6 +60,16 @@ std::shared_ptr<const Plan> plan_for(const c10::OperatorHandle& op,
                                      const torch::jit::Stack& stack, size_t first);
 // A launch found cpu's kernel returning other than the plan: the op is not planned again.
 void learn_disagreement(const c10::OperatorHandle& op);
+
+// out_form.cpp: the overload writing an op's results into given tensors (null: none)
+struct OutForm {
+  c10::OperatorHandle op;
+  const char* of;  // the op's name (launch_name)
+  std::atomic<bool> usable{true};  // false once a launch found it differs from the op
+  void drop(const char* why);      // the op's launches run its functional form from now on
+};
+OutForm* out_form(const c10::OperatorHandle& op);
+std::map<std::string, std::string> dropped_out_forms();  // op -> why (for the process)
 
 // timeline.cpp: the launch model (latency on the device's clock) and the exact counters
 struct Counters {
@@ -129,6 +140,10 @@ int64_t current_stream_id();
 int64_t register_cpu_kernels();
 
 // generator.cpp: ``torch.Generator("neuron")``, and the CPU generator it draws from
+// random.cpp: a random op that only fills device tensors, drawn now on the host and copied
+// in order (false: not such an op, nothing done)
+bool draw_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack);
+
 at::Generator new_generator();
 at::Generator cpu_generator(const at::Generator& g);
 
