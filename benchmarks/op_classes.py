@@ -42,17 +42,25 @@ def _sync(device: str) -> None:
         torch.neuron.synchronize()
 
 
-def time_class(name: str, device: str, iters: int) -> float:
+def time_class(name: str, device: str, iters: int) -> tuple:
+    """(wall us per op, device kernel us per launch: the worker's time running it, 0 on cpu)."""
     setup, op = CLASSES[name]
     state = setup(device)
     for _ in range(50):
         op(state)
     _sync(device)
+    if device == "neuron":
+        neuron.reset_counters()
     start = time.perf_counter()
     for _ in range(iters):
         op(state)
     _sync(device)
-    return (time.perf_counter() - start) / iters * 1e6
+    wall = (time.perf_counter() - start) / iters * 1e6
+    kernel = 0.0
+    if device == "neuron":
+        c = neuron.counters()
+        kernel = c.kernel_s / max(c.launches, 1) * 1e6
+    return wall, kernel
 
 
 def _round(device: str, iters: int) -> dict:
@@ -87,12 +95,16 @@ def main(argv=None) -> None:
     for _ in range(args.repeats):
         for device in got:
             got[device].append(_round(device, args.iters))
-    print(f"{'class':<12} {'cpu':>8} {'neuron':>8} {'ratio':>6}  spread (neuron, min-max)")
+    print("kernel: the device worker's time per launch of the op (a view launches nothing)")
+    print(f"{'class':<12} {'cpu':>8} {'neuron':>8} {'ratio':>6}  {'spread (neuron)':<16} "
+          f"{'kernel':>7}")
     for name in CLASSES:
-        cpu = statistics.median(r[name] for r in got["cpu"])
-        devs = [r[name] for r in got["neuron"]]
+        cpu = statistics.median(r[name][0] for r in got["cpu"])
+        devs = [r[name][0] for r in got["neuron"]]
         dev = statistics.median(devs)
-        print(f"{name:<12} {cpu:8.2f} {dev:8.2f} {dev / cpu:6.2f}  {min(devs):.2f}-{max(devs):.2f}")
+        kernel = statistics.median(r[name][1] for r in got["neuron"])
+        spread = f"{min(devs):.2f}-{max(devs):.2f}"
+        print(f"{name:<12} {cpu:8.2f} {dev:8.2f} {dev / cpu:6.2f}  {spread:<16} {kernel:7.2f}")
 
 
 if __name__ == "__main__":

@@ -211,7 +211,12 @@ void enqueue(Launch launch) {
     std::thread(run).detach();  // lives as long as the process
     started = true;
   }
-  block(guard, [] { return fifo.size() < kMaxQueued; }, [] { return finished + 1; });
+  if (fifo.size() >= kMaxQueued) {
+    // full: the host waits until half has drained, not for each slot (one wake-up per
+    // kMaxQueued / 2 launches instead of one per launch, which would take a core from them)
+    block(guard, [] { return fifo.size() <= kMaxQueued / 2; },
+          [] { return finished + static_cast<int64_t>(kMaxQueued / 2); });
+  }
   fifo.push_back(std::move(launch));
   ++issued;
   const bool wake = sleeping;
