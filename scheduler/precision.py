@@ -113,7 +113,7 @@ _OPS_16BIT = (
     aten.upsample_nearest3d_backward.default, aten._upsample_nearest_exact1d_backward.default,
     aten._upsample_nearest_exact2d_backward.default,
     aten._upsample_nearest_exact3d_backward.default, aten.lerp.Scalar, aten.lerp.Tensor,
-    aten.index_reduce.default,
+    aten.index_reduce.default, aten.grid_sampler_2d.default, aten.logit.default,
 )
 # In graphs holding a 16-bit value: op -> what the trace calls for it (eager's kernel)
 EAGER_16BIT = {op: _eager_kernel(op) for op in _OPS_16BIT}

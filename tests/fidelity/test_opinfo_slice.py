@@ -228,13 +228,17 @@ def test_an_op_that_took_the_sweep_down_is_checked_on_the_device():
     ("_native_batch_norm_legit", torch.float16, 0),
     ("lerp", torch.bfloat16, 1),
     ("index_reduce.mean", torch.bfloat16, 4),
+    ("grid_sampler_2d", torch.bfloat16, 4),
+    ("nn.functional.grid_sample", torch.float16, 13),
+    ("logit", torch.float16, 0),
 ])
 def test_inductor_findings(name, dtype, index):
     # Samples the sweep found beyond the OpInfo's tolerances under the fused backend: in 16
     # bits linear interpolation (a bf16 ulp), soft_margin_loss (which eager overflows to inf
     # in fp16), bce_with_logits (whose C++ body functionalization decomposed), a transposed
-    # convolution, batch_norm (whose running statistics it also writes), lerp and
-    # index_reduce's mean stay eager's kernels (scheduler.precision); fractional_max_pool3d, whose windows Inductor placed
+    # convolution, batch_norm (whose running statistics it also writes), lerp, index_reduce's
+    # mean, grid_sampler_2d (grid_sample's bilinear weights) and logit stay eager's kernels
+    # (scheduler.precision); fractional_max_pool3d, whose windows Inductor placed
     # otherwise in every dtype, is eager's kernel in any graph
     from . import harness
 
