@@ -89,6 +89,10 @@ at::Tensor histc(const at::Tensor& self, int64_t bins, const at::Scalar& min,
 
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("histc", histc);
+  // linalg_lstsq's composite picks the LAPACK driver by device when none is given (gelsy on
+  // cpu, gels elsewhere: other values, and other strides for the solution): the device runs
+  // the composite on host aliases, as cpu does (fallback.cpp)
+  m.impl("linalg_lstsq", torch::CppFunction::makeFromBoxedFunction<&run_on_host>());
 }
 
 // Ops with a CPU kernel *and* a composite one (CompositeImplicitAutograd, or

@@ -108,6 +108,28 @@ void check_one_device(const c10::FunctionSchema& schema, const torch::jit::Stack
 }  // namespace
 
 // The op at once, on the calling thread, once the queue has drained.
+namespace {
+
+// An out= argument cpu's kernel resized or restrided (``alias``, its host alias after the
+// call): the device tensor takes what the kernel left, geometry included (lstsq's solution is
+// a column-major view into a larger buffer). Memory the kernel moved to the CPU allocator is
+// copied into device memory whole. The queue has drained: nothing else touches it.
+void adopt_geometry(at::Tensor& dev, const at::Tensor& alias) {
+  if (alias.storage().data() != dev.storage().data()) {
+    const size_t nbytes = alias.storage().nbytes();
+    c10::Storage moved(c10::Storage::use_byte_size_t(), nbytes, allocator(), /*resizable=*/true);
+    if (nbytes > 0) {
+      std::memcpy(moved.mutable_data(), alias.storage().data(), nbytes);
+    }
+    dev.set_(moved, alias.storage_offset(), alias.sizes(), alias.strides());
+  } else if (alias.sizes() != dev.sizes() || alias.strides() != dev.strides() ||
+             alias.storage_offset() != dev.storage_offset()) {
+    dev.set_(dev.storage(), alias.storage_offset(), alias.sizes(), alias.strides());
+  }
+}
+
+}  // namespace
+
 void run_now(const c10::OperatorHandle& op, torch::jit::Stack* stack, const char* reason) {
   const auto& schema = op.schema();
   const size_t n = schema.arguments().size();
@@ -167,11 +189,7 @@ void run_now(const c10::OperatorHandle& op, torch::jit::Stack* stack, const char
   auto back = [&](const at::Tensor& host) -> at::Tensor {
     for (auto& [alias, dev] : written) {
       if (host.is_same(alias)) {
-        if (alias.data_ptr() != dev.data_ptr() || alias.sizes() != dev.sizes()) {
-          // an out= argument the kernel resized: the device tensor takes the new shape
-          dev.resize_(alias.sizes());
-          host_alias(dev).copy_(alias);
-        }
+        adopt_geometry(dev, alias);
         return dev;
       }
     }
