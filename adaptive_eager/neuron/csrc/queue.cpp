@@ -22,6 +22,8 @@
 // so the host never waits for the worker while holding it (``NoGil``).
 #include "neuron.h"
 
+#include <ATen/Parallel.h>
+
 #include <Python.h>
 #include <time.h>
 
@@ -110,6 +112,9 @@ Clock::duration thread_time() {
 
 void run() {
   is_worker = true;
+  // as PyTorch's own threads do (the autograd engine's device threads): the thread's OpenMP
+  // team sized as the process's, matching MKL's, so kernels here run as on the main thread
+  at::init_num_threads();
   std::unique_lock<std::mutex> guard(lock);
   for (;;) {
     if (fifo.empty()) {
