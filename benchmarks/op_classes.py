@@ -1,6 +1,6 @@
 """Eager host cost per op class on the emulated neuron device against cpu.
 
-    python benchmarks/op_classes.py [--iters 2000] [--repeats 5]
+    python benchmarks/op_classes.py [--iters 20000] [--repeats 5]
 
 For each class (elementwise, view, matmul, reduction, factory) it times a loop of one small
 op on ``cpu`` and on ``neuron`` (latency 0: the cost measured is the host's and the
@@ -85,7 +85,7 @@ def one_round(device: str, iters: int) -> dict:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--iters", type=int, default=2000)
+    p.add_argument("--iters", type=int, default=20000)  # 2,000: too short to be steady
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args(argv)
     impl = "cpp" if neuron.is_native() else "python"
