@@ -107,7 +107,6 @@ void check_one_device(const c10::FunctionSchema& schema, const torch::jit::Stack
 
 }  // namespace
 
-// The op at once, on the calling thread, once the queue has drained.
 namespace {
 
 // An out= argument cpu's kernel resized or restrided (``alias``, its host alias after the
@@ -130,6 +129,7 @@ void adopt_geometry(at::Tensor& dev, const at::Tensor& alias) {
 
 }  // namespace
 
+// The op at once, on the calling thread, once the queue has drained.
 void run_now(const c10::OperatorHandle& op, torch::jit::Stack* stack, const char* reason) {
   const auto& schema = op.schema();
   const size_t n = schema.arguments().size();
