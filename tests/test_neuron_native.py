@@ -417,6 +417,18 @@ def _():
     return (quiet and equal and mm and "aten::mse_loss" in dropped
             and "aten::mm" not in dropped)
 
+@check("linalg.lstsq: cpu's driver, and the solution's geometry as cpu's kernel leaves it")
+def _():
+    # its composite picked another LAPACK driver off the cpu, and the out= solution cpu's
+    # kernel restrides (a column-major view into a larger buffer) came back contiguous. cpu's
+    # own lstsq is not bitwise reproducible between calls: values are compared closely.
+    a, b = torch.randn(5, 3), torch.randn(5, 2)
+    ref = torch.linalg.lstsq(a, b)
+    got = torch.linalg.lstsq(a.to("neuron"), b.to("neuron"))
+    return (got.solution.stride() == ref.solution.stride()
+            and got.solution.storage_offset() == ref.solution.storage_offset()
+            and torch.allclose(got.solution.cpu(), ref.solution, atol=1e-5))
+
 @check("random ops that fill tensors draw in program order without a sync")
 def _():
     import adaptive_eager.neuron as neuron
