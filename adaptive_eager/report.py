@@ -427,6 +427,10 @@ def advise(report: Report) -> list:
             out.append(f"Shapes change between runs of one path at {at}: each shape is a new "
                        "graph, and past NEURON_ADAPTIVE_EAGER_VARIANTS they replay without "
                        "fusing. Pad or bucket the changing dimension.")
+        elif e.kind == "fallback" and e.reason.startswith("not fused"):
+            out.append(f"A graph was not fused ({e.reason}): Inductor would compute it "
+                       "otherwise than eager, so its path replays as one exact launch with "
+                       "eager's values. Nothing to report.")
         elif e.kind == "fallback" and e.reason.startswith("compile failed"):
             out.append(f"A graph failed to compile ({e.reason}); its path still replays as "
                        "one exact launch. Please report it with NEURON_ADAPTIVE_EAGER_DEBUG=4.")

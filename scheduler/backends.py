@@ -29,7 +29,7 @@ import time
 import torch
 
 from . import precision
-from .program import Ext, Meta, interpret, meta_on, on_compute, straight_line
+from .program import Ext, InductorDiffers, Meta, interpret, meta_on, on_compute, straight_line
 from .scalars import Lifted, lift_call, liftable
 
 __all__ = ["Graph", "Plan", "plan", "compile_graph", "BACKENDS"]
@@ -233,11 +233,6 @@ def trace(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values: tuple
         tracing_mode="fake",
     )(*inputs)
     return gm, inputs, fake_mode
-
-
-class InductorDiffers(RuntimeError):
-    """Inductor would compute the graph otherwise than eager: it is not fused, and its path
-    replays exactly (counted: "no fused graph (its compile failed)", this reason logged)."""
 
 
 class PrecisionUnsafe(InductorDiffers):

@@ -126,7 +126,8 @@ EAGER_ALWAYS = {aten.fractional_max_pool3d.default:
 
 # Ops whose 16-bit results Inductor computes otherwise than eager beyond the tolerances and
 # that cannot be left to eager's kernel inside a graph: a 16-bit graph holding one is not
-# compiled, and its path replays exactly (counted: "no fused graph (its compile failed)").
+# compiled, and its path replays exactly (counted: "no fused graph (Inductor would compute it
+# otherwise than eager)").
 NOT_FUSED_16BIT = frozenset({aten.div.Tensor_mode, aten.div.Scalar_mode})
 
 # Found by the OpInfo sweep: Inductor's Welford reduction gives the mean of an empty tensor

@@ -23,7 +23,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-__all__ = ["Ext", "Val", "Rec", "Meta", "Out", "OpSpec", "OpFailed", "interpret", "straight_line",
+__all__ = ["Ext", "Val", "Rec", "Meta", "Out", "OpSpec", "OpFailed", "InductorDiffers", "interpret", "straight_line",
            "alias_groups"]
 
 
@@ -139,6 +139,12 @@ class OpFailed(Exception):
         super().__init__(index, error)
         self.index = index
         self.error = error
+
+
+class InductorDiffers(RuntimeError):
+    """Inductor would compute a graph otherwise than eager (scheduler.backends raises it while
+    tracing): the graph is not fused, and its path replays exactly (counted: "no fused graph
+    (Inductor would compute it otherwise than eager)", this reason logged)."""
 
 
 def _leaves(spec: OpSpec, res) -> tuple:

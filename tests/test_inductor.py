@@ -170,8 +170,14 @@ def test_mean_of_empty_is_nan():
         hot(step)
         d = Delta()
         got = step()
-        assert d.fallbacks.get("no fused graph (its compile failed): replayed exactly") == 1
+        assert d.fallbacks.get("no fused graph (Inductor would compute it otherwise than "
+                               "eager): replayed exactly") == 1
     assert got[1].isnan() and ref[1].isnan() and got[0].isnan()
+    # refused, not failed: the reason says so, and explain() does not ask for a report
+    assert any(r.startswith("not fused") and "InductorDiffers" in r
+               for r in ae.stats().fallbacks)
+    advice = "\n".join(ae.explain().advice)
+    assert "was not fused" in advice and "failed to compile" not in advice
 
 
 def test_changing_float_is_lifted_not_recompiled():

@@ -42,7 +42,8 @@ import torch
 
 from adaptive_eager.scheduler import compile_process
 from adaptive_eager.scheduler.launch import COLD, HOT, RETIRED, WARM, Path
-from adaptive_eager.scheduler.program import Ext, Meta, OpFailed, OpSpec, Out, Val
+from adaptive_eager.scheduler.program import (Ext, InductorDiffers, Meta, OpFailed, OpSpec, Out,
+                                              Val)
 
 from .optable import OpClass
 from .signature import Unsupported, is_plain, out_specs, resolve_new, tree_of
@@ -314,8 +315,12 @@ def install(mode) -> None:
                 where = f" at {path.specs[error.index].describe()}"
                 error = error.error
             first = (str(error).splitlines() or [""])[0][:160]
-            reason = f"compile failed{where}: {type(error).__name__}: {first}"
-            path.fused_off = "its compile failed"
+            # a graph Inductor would compute otherwise than eager is refused, not failed
+            differs = isinstance(error, InductorDiffers)
+            what = "not fused" if differs else "compile failed"
+            reason = f"{what}{where}: {type(error).__name__}: {first}"
+            path.fused_off = ("Inductor would compute it otherwise than eager" if differs
+                              else "its compile failed")
             c.fallback(reason)
             if mode.debug >= 1:
                 log.warning("graph%d %s; replaying exactly", path.gid, reason)
