@@ -429,6 +429,23 @@ def _():
             and got.solution.storage_offset() == ref.solution.storage_offset()
             and torch.allclose(got.solution.cpu(), ref.solution, atol=1e-5))
 
+@check("arange sizes its empty out= tensor on the host: queued, no sync, sized by its values")
+def _():
+    # arange's composite makes an empty out= tensor and the kernel sizes it from start, end
+    # and step: the plan resizes it first, and is cached by those values (a generate() step
+    # made 124 syncs of these)
+    import adaptive_eager.neuron as neuron
+    torch.neuron.synchronize()
+    before = neuron.counters().syncs
+    got = [torch.arange(7, device="neuron"), torch.arange(3, 9, device="neuron"),
+           torch.arange(0, 1, 0.25, device="neuron"), torch.arange(0, 2, 0.25, device="neuron"),
+           torch.arange(7, device="neuron"), torch.arange(5, out=torch.empty(0, device="neuron"))]
+    syncs = neuron.counters().syncs - before - 1  # the counters' own wait
+    ref = [torch.arange(7), torch.arange(3, 9), torch.arange(0, 1, 0.25), torch.arange(0, 2, 0.25),
+           torch.arange(7), torch.arange(5, out=torch.empty(0))]
+    return syncs == 0 and all(torch.equal(r, g.cpu()) and r.dtype == g.dtype
+                              for r, g in zip(ref, got))
+
 @check("random ops that fill tensors draw in program order without a sync")
 def _():
     import adaptive_eager.neuron as neuron

@@ -406,6 +406,9 @@ bool launch_planned(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       }
     }
   }
+  for (const Plan::Resize& r : plan->resizes) {
+    written.at(r.written).resize_(r.sizes);  // an empty out= argument, sized as cpu would
+  }
   std::vector<Fresh> fresh;
   std::vector<c10::IValue> results;
   auto result = [&](const Plan::Out& out, size_t j, int64_t e) -> at::Tensor {

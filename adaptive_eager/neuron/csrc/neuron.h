@@ -55,6 +55,14 @@ struct Plan {
   };
   bool ok = false;  // false: not plannable, the op runs at once
   std::vector<Ret> returns;
+  // Empty out= arguments the op sizes (a factory's ``arange(..., out=empty)``): the host
+  // resizes them before queuing. Their sizes follow Scalar values, so such a plan is cached by
+  // those values too (plan.cpp).
+  struct Resize {
+    int32_t written;
+    std::vector<int64_t> sizes;
+  };
+  std::vector<Resize> resizes;
 };
 std::shared_ptr<const Plan> plan_for(const c10::OperatorHandle& op,
                                      const torch::jit::Stack& stack, size_t first);

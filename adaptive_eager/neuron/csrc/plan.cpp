@@ -37,10 +37,13 @@ at::Tensor meta_twin(const at::Tensor& t, Twins& twins) {
   const auto* key = t.storage().unsafeGetStorageImpl();
   auto it = twins.find(key);
   if (it == twins.end()) {
-    // not resizable: an out= argument the op would resize is not plannable
+    // not resizable unless empty: an out= argument the op would resize is not plannable,
+    // but for an empty one (make_plan)
+    const bool empty = t.storage().nbytes() == 0;
     it = twins.emplace(key, c10::Storage(c10::Storage::use_byte_size_t(), t.storage().nbytes(),
                                          at::DataPtr(nullptr, c10::Device(c10::kMeta)),
-                                         nullptr, /*resizable=*/false)).first;
+                                         empty ? c10::GetAllocator(c10::kMeta) : nullptr,
+                                         /*resizable=*/empty)).first;
   }
   return over(it->second, c10::DispatchKey::Meta, t);
 }
@@ -53,6 +56,7 @@ bool on_device(const at::Tensor& t) {
 struct Key {
   std::string bytes;
   std::vector<const c10::StorageImpl*> storages;  // of the tensors so far, in order
+  bool scalar_values = false;  // Scalars by value too (a plan that resizes out= arguments)
 
   template <typename T>
   void put(T v) {
@@ -109,6 +113,13 @@ struct Key {
                 arg.type()->castRaw<c10::OptionalType>()->getElementType()->kind() ==
                     c10::TypeKind::NumberType)) {
       put<char>(v.isDouble() ? 'd' : v.isInt() ? 'i' : v.isBool() ? 'b' : 'c');  // a Scalar
+      if (scalar_values && v.isDouble()) {
+        put<double>(v.toDouble());
+      } else if (scalar_values && (v.isInt() || v.isBool())) {
+        put<int64_t>(v.isInt() ? v.toInt() : v.toBool());
+      } else if (scalar_values && !v.isNone()) {
+        return false;  // a complex or symbolic value: planned uncached
+      }
     } else if (v.isInt()) {
       put<char>('i');
       put<int64_t>(v.toInt());
@@ -237,10 +248,17 @@ std::shared_ptr<const Plan> make_plan(const c10::OperatorHandle& op,
   } catch (const std::exception&) {
     return plan;  // not plannable
   }
-  for (const auto& [m, dev] : written) {
+  for (size_t w = 0; w < written.size(); ++w) {
+    const auto& [m, dev] = written[w];
     if (m.sizes() != dev.sizes() || m.strides() != dev.strides() ||
         m.storage_offset() != dev.storage_offset()) {
-      return plan;  // an out= argument the op restrides: not plannable
+      // an empty out= argument the op sizes contiguously: the host resizes it (as cpu's
+      // kernel would, without a warning); any other restriding: not plannable
+      if (dev.numel() != 0 || dev.storage_offset() != 0 || m.storage_offset() != 0 ||
+          !m.is_contiguous()) {
+        return plan;
+      }
+      plan->resizes.push_back({static_cast<int32_t>(w), m.sizes().vec()});
     }
   }
   auto out_of = [&](const at::Tensor& m) -> std::optional<Plan::Out> {
@@ -325,11 +343,38 @@ std::shared_ptr<const Plan> plan_for(const c10::OperatorHandle& op,
     }
   }
   auto it = cache.find(key.bytes);
-  if (it != cache.end()) {
+  if (it != cache.end() && it->second->resizes.empty()) {
     return it->second;
   }
   if (cache.size() >= 65536) {
     cache.clear();
+    it = cache.end();
+  }
+  if (it == cache.end()) {
+    auto plan = make_plan(op, stack, first);
+    cache.emplace(key.bytes, plan);
+    if (plan->resizes.empty()) {
+      return plan;
+    }
+  }
+  // a plan that resizes out= arguments: its sizes follow the Scalars' values, so it is
+  // cached under a key holding them (the entry above only says so)
+  key.bytes.clear();
+  key.storages.clear();
+  key.scalar_values = true;
+  key.put<const void*>(&schema);
+  key.put<char>('v');
+  bool keyed = true;
+  for (size_t i = 0; keyed && i < schema.arguments().size(); ++i) {
+    keyed = key.value(stack[first + i], schema.arguments()[i]);
+  }
+  key.scalar_values = false;
+  if (!keyed) {
+    return make_plan(op, stack, first);
+  }
+  auto by_value = cache.find(key.bytes);
+  if (by_value != cache.end()) {
+    return by_value->second;
   }
   auto plan = make_plan(op, stack, first);
   cache.emplace(key.bytes, plan);
