@@ -105,10 +105,6 @@ void check_one_device(const c10::FunctionSchema& schema, const torch::jit::Stack
               "least two devices, neuron:0 and cpu! (", schema.name(), ")");
 }
 
-}  // namespace
-
-namespace {
-
 // An out= argument cpu's kernel resized or restrided (``alias``, its host alias after the
 // call): the device tensor takes what the kernel left, geometry included (lstsq's solution is
 // a column-major view into a larger buffer). Memory the kernel moved to the CPU allocator is

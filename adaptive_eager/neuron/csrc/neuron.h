@@ -148,11 +148,11 @@ int64_t current_stream_id();
 int64_t register_cpu_kernels();
 
 // generator.cpp: ``torch.Generator("neuron")``, and the CPU generator it draws from
+at::Generator new_generator();
+at::Generator cpu_generator(const at::Generator& g);
+
 // random.cpp: a random op that only fills device tensors, drawn now on the host and copied
 // in order (false: not such an op, nothing done)
 bool draw_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack);
-
-at::Generator new_generator();
-at::Generator cpu_generator(const at::Generator& g);
 
 }  // namespace neuron

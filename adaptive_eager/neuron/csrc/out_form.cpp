@@ -80,10 +80,14 @@ std::map<std::string, std::string> dropped_out_forms() {
 
 OutForm* out_form(const c10::OperatorHandle& op) {
   const c10::FunctionSchema& fn = op.schema();
-  std::lock_guard<std::mutex> guard(lock);
-  auto it = known().find(&fn);
-  if (it != known().end()) {
+  // asked on every launch: a per-thread copy of the answers, no lock (forms are never freed)
+  thread_local std::unordered_map<const c10::FunctionSchema*, OutForm*> seen;
+  if (auto it = seen.find(&fn); it != seen.end()) {
     return it->second;
+  }
+  std::lock_guard<std::mutex> guard(lock);
+  if (auto it = known().find(&fn); it != known().end()) {
+    return seen[&fn] = it->second;
   }
   OutForm* form = nullptr;
   bool all_tensors = !fn.returns().empty() && !fn.is_mutable();
@@ -102,7 +106,7 @@ OutForm* out_form(const c10::OperatorHandle& op) {
       }
     }
   }
-  return known()[&fn] = form;
+  return seen[&fn] = known()[&fn] = form;
 }
 
 }  // namespace neuron

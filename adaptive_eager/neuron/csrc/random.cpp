@@ -14,9 +14,9 @@
 //   (the same elements drawn in the same order), and the copy into the device tensor is the
 //   launch, queued behind the launches before it. Factories (``randn``, ``rand``,
 //   ``randint``, ``randperm``) reach the device as ``empty`` and a filler.
-// - ``native_dropout`` (what ``F.dropout`` runs on a non-cpu device) is composed on the device
-//   of the ops cpu's kernel runs: a boolean mask filled by ``bernoulli_(1 - p)``, then two
-//   queued multiplications.
+// - ``native_dropout`` (the fused dropout op; ``F.dropout`` itself takes cpu's unfused path on
+//   the device, choices.cpp) is composed on the device of the ops cpu's kernel runs: a
+//   boolean mask filled by ``bernoulli_(1 - p)``, then two queued multiplications.
 #include "neuron.h"
 
 #include <torch/library.h>
