@@ -34,7 +34,7 @@ import re
 import torch
 
 __all__ = ["EAGER_16BIT", "EAGER_ALWAYS", "NOT_FUSED_16BIT", "MEAN_OF_EMPTY", "eager_kernels",
-           "low_precision"]
+           "low_precision", "stored_as_eager"]
 
 aten = torch.ops.aten
 _LOW = (torch.bfloat16, torch.float16)
@@ -118,11 +118,33 @@ _OPS_16BIT = (
 # In graphs holding a 16-bit value: op -> what the trace calls for it (eager's kernel)
 EAGER_16BIT = {op: _eager_kernel(op) for op in _OPS_16BIT}
 
-# Found by the OpInfo sweep: Inductor's lowering of fractional_max_pool3d places some pooling
-# windows otherwise than eager (an output size from ``output_ratio``: values off by 2.1, in
-# every dtype). Every fused graph calls eager's kernel for it.
-EAGER_ALWAYS = {aten.fractional_max_pool3d.default:
-                _eager_kernel(aten.fractional_max_pool3d.default)}
+# Found by the OpInfo sweep, in every dtype (every fused graph calls eager's kernel for them):
+# - Inductor's lowering of fractional_max_pool3d places some pooling windows otherwise than
+#   eager (an output size from ``output_ratio``: values off by 2.1);
+# - the orthogonal polynomials (hermite_polynomial_he in float32: 4e-4 apart at values in the
+#   hundreds). Their recurrences ``x * p - k * q`` cancel, and eager's kernels are built with
+#   floating-point contraction (each ``a * b + c`` one fused multiply-add) where Inductor's C++
+#   is built without it; so the roundings differ and the cancellation magnifies them.
+_POLYNOMIALS = ("chebyshev_polynomial_t", "chebyshev_polynomial_u", "chebyshev_polynomial_v",
+                "chebyshev_polynomial_w", "shifted_chebyshev_polynomial_t",
+                "shifted_chebyshev_polynomial_u", "shifted_chebyshev_polynomial_v",
+                "shifted_chebyshev_polynomial_w", "hermite_polynomial_h",
+                "hermite_polynomial_he", "laguerre_polynomial_l", "legendre_polynomial_p")
+EAGER_ALWAYS = {op: _eager_kernel(op) for op in (
+    aten.fractional_max_pool3d.default,
+    *(getattr(getattr(aten, "special_" + name), overload)
+      for name in _POLYNOMIALS for overload in ("default", "x_scalar", "n_scalar")))}
+
+# Ops that store a Scalar argument, as it is, in a result of the op's dtype. Eager rounds the
+# value to a 16-bit dtype when it stores it; Inductor folds the op into its consumers as a
+# float32 constant and never rounds it (``empty_like(x).fill_(1.7).sub_(x)``, which is how
+# C++'s ``1.7 - x`` runs, inside hinge_embedding_loss: 1.7 where eager has 1.703125, results a
+# bf16 ulp apart at a third of the elements). The trace gives these ops the value eager
+# stores. op -> the position of the value, and of the tensor whose dtype the result takes
+# (None: the ``dtype`` keyword, or the default dtype).
+_STORES_SCALAR = {aten.fill.Scalar: (1, 0), aten.fill_.Scalar: (1, 0),
+                  aten.full.default: (1, None), aten.full_like.default: (1, 0),
+                  aten.new_full.default: (2, 0), aten.scalar_tensor.default: (0, None)}
 
 # Ops whose 16-bit results Inductor computes otherwise than eager beyond the tolerances and
 # that cannot be left to eager's kernel inside a graph: a 16-bit graph holding one is not
@@ -148,3 +170,25 @@ def eager_kernels(low: bool, device_kernels=None) -> dict:
     """op -> what a fused graph's trace calls for it: eager's kernels where Inductor would
     differ (16-bit ones when ``low``), then the device's own kernels, which take precedence."""
     return {**EAGER_ALWAYS, **(EAGER_16BIT if low else {}), **(device_kernels or {})}
+
+
+def stored_as_eager(func, args: list, kwargs: dict) -> list:
+    """``args`` with the Scalar that ``func`` stores rounded to the result's 16-bit dtype, as
+    eager stores it (``_STORES_SCALAR``); ``args`` itself when there is nothing to round."""
+    where = _STORES_SCALAR.get(func)
+    if where is None:
+        return args
+    value_at, like = where
+    # A float the graph takes as an input (scheduler.scalars) reaches the op as a tensor, which
+    # the op converts to its dtype as eager does: only constants need rounding.
+    value = args[value_at] if len(args) > value_at else None
+    if type(value) is not float:
+        return args
+    dtype = kwargs.get("dtype")
+    if dtype is None:
+        dtype = args[like].dtype if like is not None else torch.get_default_dtype()
+    if dtype not in _LOW:
+        return args
+    args = list(args)
+    args[value_at] = torch.tensor(value, dtype=dtype).item()
+    return args

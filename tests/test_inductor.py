@@ -180,6 +180,36 @@ def test_mean_of_empty_is_nan():
     assert "was not fused" in advice and "failed to compile" not in advice
 
 
+def test_16bit_fill_value_is_rounded_as_eager_stores_it():
+    # C++'s ``m - x`` (hinge_embedding_loss's margin) runs as empty_like(x).fill_(m).sub_(x):
+    # eager stores m in bf16 before subtracting; the fused graph must use that value, not m,
+    # both when m is a constant of the graph and when it changes (lifted to an input)
+    x = torch.randn(64).mul(3).bfloat16()
+
+    def f(m):
+        out = torch.empty_like(x).fill_(m).sub_(x).clamp_min_(0).mul(3)
+        out.sum().item()
+        return out
+
+    ms = (1.7, 2.3, 0.9, 1.1, 2.9, 1.3)
+    ref = {m: f(m) for m in ms}
+    assert not torch.equal(ref[1.7], torch.sub(1.7, x.float()).clamp_min(0).mul(3).bfloat16())
+    with ae.enabled(**IND):
+        hot(lambda: f(1.7))
+        d = Delta()
+        assert torch.equal(f(1.7), ref[1.7])
+        assert d.cache_hits == 1 and not d.fallbacks
+        got = {}
+        for m in ms[1:4]:  # the first change recompiles with m lifted ...
+            got[m] = f(m)
+            wait_compiles()
+        d = Delta()
+        got.update({m: f(m) for m in ms[4:]})  # ... then new values reuse that graph
+        assert d.cache_hits == 2 and d.graphs_compiled == 0 and not d.fallbacks
+    for m in ms[1:]:
+        assert torch.equal(got[m], ref[m]), m
+
+
 def test_changing_float_is_lifted_not_recompiled():
     x = torch.randn(64)
     with ae.enabled(**IND):
