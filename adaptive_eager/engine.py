@@ -17,6 +17,7 @@ import weakref
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
+from adaptive_eager.scheduler import compile_process
 from adaptive_eager.scheduler.compiler import CompileCache, Compiler
 from adaptive_eager.scheduler.queues import set_depth, synchronize_all
 from adaptive_eager.scheduler.stats import snapshot
@@ -203,6 +204,7 @@ class Engine:
             self.disable()
         except Exception as e:  # interpreter shutdown: report, never raise
             log.warning("adaptive_eager: flushing at exit failed: %s", e)
+        compile_process.stop_shared()  # a compile in the child ends now, not when done
         self.compiler.shutdown()
 
 

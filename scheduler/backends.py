@@ -28,7 +28,8 @@ import time
 
 import torch
 
-from . import precision
+from . import compile_process, precision
+from .compile_thread import prepare_thread
 from .program import Ext, InductorDiffers, Meta, interpret, meta_on, on_compute, straight_line
 from .scalars import Lifted, lift_call, liftable
 
@@ -294,8 +295,6 @@ def _compiled_graph(run, code, seconds, ext_metas, live_metas, the_plan, spec_va
 def inductor_graph(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values,
                    device_map=None, kernels=None) -> Graph:
     """Inductor in this process (on the compiler thread)."""
-    from .compiler import prepare_thread
-
     prepare_thread()
     compiled, code, seconds = _inductor_compile(specs, ext_metas, live_metas, the_plan,
                                                 spec_values, device_map, kernels)
@@ -317,8 +316,6 @@ def inductor_artifact(specs, ext_metas, live_metas, the_plan, spec_values, devic
 def remote_inductor_graph(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values,
                           device_map=None, kernels=None) -> Graph:
     """Inductor in the compile process; this thread only waits and loads the result."""
-    from . import compile_process
-
     # The child needs what ``trace`` reads; the signature key and source line stay here.
     sent = [dataclasses.replace(s, key=None) for s in specs]
     request = compile_process.pack((sent, ext_metas, live_metas, the_plan, spec_values,
@@ -337,8 +334,6 @@ def neuron_graph(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values
     """TorchNeuron's compiler: the same functional graph, through ``torch.compile``'s
     ``neuron`` backend (registered by torch-neuronx; used as it is)."""
     from torch._dynamo.backends.registry import lookup_backend
-
-    from .compiler import prepare_thread
 
     prepare_thread()
 

@@ -7,7 +7,7 @@ while the compiler thread is runnable each op's return then waits up to a switch
 a compile ran (measured), and tracing and lowering hold the lock for seconds on their own.
 
 So fused compiles run in one long-lived child process (``python -m
-adaptive_eager.scheduler.compile_process``), started when the engine first learns a path and
+adaptive_eager.scheduler.compile_child``, its side of the pipes), started when the engine first learns a path and
 shared by every engine of the process. The compiler thread sends it the request (the
 path's ops, metadata, plan and specialized floats: everything ``backends.trace`` reads),
 blocks on the pipe without the lock, and gets back Inductor's serialized output (the
@@ -42,7 +42,7 @@ import time
 
 import torch
 
-__all__ = ["CompileProcess", "CompileProcessError", "dumps", "loads", "shared"]
+__all__ = ["CompileProcess", "CompileProcessError", "dumps", "loads", "shared", "serve"]
 
 log = logging.getLogger("adaptive_eager")
 _HEADER = struct.Struct("<Q")
@@ -101,7 +101,7 @@ def _read(stream) -> bytes | None:
 # few cores, a compile at normal priority preempts the loop's intra-op threads, whose barrier
 # then waits a whole scheduler slice (a 0.4 ms step measured at 2-6 ms; at nice 19, 0.5 ms).
 _CHILD_NORMAL = ("import runpy\n"
-                 "runpy.run_module('adaptive_eager.scheduler.compile_process', "
+                 "runpy.run_module('adaptive_eager.scheduler.compile_child', "
                  "run_name='__main__')\n")
 _CHILD = ("import os\n"
           "try:\n    os.nice(19)\nexcept (AttributeError, OSError):\n    pass\n"
@@ -324,28 +324,19 @@ def _portable(error: BaseException) -> BaseException:
         return RuntimeError(f"{type(error).__name__}: {error}")
 
 
-def main() -> None:
-    """The child's loop: read a request, compile, answer; end at end of input."""
-    from .backends import inductor_artifact
-
+def serve(handle) -> None:
+    """The child's loop: read a request, answer ``handle(request)`` (or the error it
+    raised); end at end of input. Whatever the compilers print goes to stderr: it must not
+    corrupt the frames."""
     out = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)  # whatever the compilers print must not corrupt the frames
+    os.dup2(2, 1)
     inp = sys.stdin.buffer
     while True:
         data = _read(inp)
         if data is None:
             return
         try:
-            device, args = loads(data)
-            if device == "neuron":  # the request's metadata names the device: register it
-                from adaptive_eager import neuron
-
-                neuron.ensure()
-            reply = ("ok", inductor_artifact(*loads(args)))
+            reply = ("ok", handle(data))
         except Exception as e:  # sent to the parent, which counts it as the compile's failure
             reply = ("error", _portable(e))
         _write(out, dumps(reply))
-
-
-if __name__ == "__main__":
-    main()

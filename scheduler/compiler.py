@@ -15,14 +15,14 @@ A delivery is ``(token, graph or None, error or None, built_now)``.
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 import queue
-import sys
 import threading
 import time
 
 import cachetools
+
+from .compile_thread import THREAD_NAME
 
 __all__ = ["GraphKey", "CompileCache", "Compiler", "Job"]
 
@@ -90,84 +90,6 @@ class CompileCache:
         return len(self._lru)
 
 
-# Note [Compiles must not touch the user's generator]: Inductor's codegen runs inside
-# ``torch._dynamo.utils.preserve_rng_state()``, which saves the global CPU generator and sets
-# it back afterwards. From a background thread that *rewinds the user's random stream*: every
-# dropout mask drawn by the training loop while the compile ran is drawn again (found as a
-# 1e-2 loss drift from the first fused step of an MLP whose graph compiled during 20 steps).
-# The compiler thread therefore runs with that context manager disabled; other threads keep
-# the original behaviour.
-_RNG_GUARDED = False
-
-
-def _guard_user_rng() -> None:
-    global _RNG_GUARDED, _ORIGINAL_PRESERVE, _GUARDED_PRESERVE
-    if _RNG_GUARDED:
-        return
-    from torch._dynamo import utils
-
-    original = utils.preserve_rng_state
-
-    @contextlib.contextmanager
-    def preserve_rng_state():
-        if threading.current_thread().name == _THREAD_NAME:
-            yield
-            return
-        with original():
-            yield
-
-    _ORIGINAL_PRESERVE, _GUARDED_PRESERVE = original, preserve_rng_state
-    # Modules that imported the name itself hold the original: AOTAutograd's, which
-    # Inductor's pattern matcher runs when it first initializes its patterns (lazily, inside
-    # a compile: found as a rewound dropout stream in CI), and autotuning's. Import them now
-    # and rebind the name wherever it was copied (torch._dynamo.utils included).
-    import torch._functorch.aot_autograd  # noqa: F401
-    import torch._inductor.select_algorithm  # noqa: F401
-
-    _rebind_copies()
-    _RNG_GUARDED = True
-
-
-_ORIGINAL_PRESERVE = _GUARDED_PRESERVE = None
-
-
-def _rebind_copies() -> None:
-    for name, module in list(sys.modules.items()):
-        held = getattr(module, "preserve_rng_state", None) if name.startswith("torch") else None
-        if held is not None and held is _ORIGINAL_PRESERVE:
-            module.preserve_rng_state = _GUARDED_PRESERVE
-
-
-_THREAD_NAME = "adaptive_eager-compiler"
-
-
-class _FromCompilerThread(logging.Filter):
-    """Note [Quiet failed traces]: when an op has no meta kernel for the dtypes it ran with
-    (``_grouped_mm`` in float32 on the CPU), ``FakeTensorMode`` logs the whole traceback at
-    ERROR before raising. On the compiler thread that failure is expected and handled: the
-    path keeps its exact replay and the reason is counted (``compile failed: ...``), so the
-    log record is dropped there; other threads' records pass untouched."""
-
-    def filter(self, record) -> bool:
-        return threading.current_thread().name != _THREAD_NAME
-
-
-def prepare_thread() -> None:
-    """Ready this thread to compile in process (the first call imports Inductor: seconds).
-
-    Raises RuntimeError when the program ends during that import: the interpreter's shutdown
-    refuses what the import registers ("can't register atexit after shutdown").
-    """
-    _guard_user_rng()
-    _quiet_failed_traces()
-
-
-def _quiet_failed_traces() -> None:
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
-    if not any(isinstance(f, _FromCompilerThread) for f in logger.filters):
-        logger.addFilter(_FromCompilerThread())
-
-
 class Job:
     __slots__ = ("key", "build", "waiters", "submitted")
 
@@ -205,7 +127,7 @@ class Compiler:
     def _ensure_thread(self):
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(
-                target=self._loop, name=_THREAD_NAME, daemon=True
+                target=self._loop, name=THREAD_NAME, daemon=True
             )
             self._thread.start()
 
@@ -253,14 +175,12 @@ class Compiler:
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Drop queued jobs and wait (bounded) for the running one: a daemon thread killed
-        inside a compiler's C++ code aborts the interpreter at exit."""
+        inside a compiler's C++ code aborts the interpreter at exit. (A compile waiting on the
+        compile process ends when that process is stopped first: the engine's shutdown.)"""
         with self._lock:
             self.generation += 1
         thread = self._thread
         if thread is not None and thread.is_alive():
-            from . import compile_process
-
-            compile_process.stop_shared()  # a compile in the child ends now, not when done
             self._queue.put((-1, None))
             thread.join(timeout)
 

@@ -1,10 +1,12 @@
-"""scheduler.compiler: the LRU cache, job sharing, and a compile thread that leaves RNG alone."""
+"""scheduler.compiler: the LRU cache, job sharing; scheduler.compile_thread: a compile thread
+that leaves the user's random stream alone."""
 
 import collections
 import threading
 
 import torch
 
+from adaptive_eager.scheduler import compile_thread as T
 from adaptive_eager.scheduler import compiler as C
 
 
@@ -62,7 +64,7 @@ def test_compile_errors_are_delivered():
 
 def test_compile_thread_does_not_rewind_the_generator():
     # Note [Compiles must not touch the user's generator]
-    C._guard_user_rng()
+    T._guard_user_rng()
     from torch._dynamo import utils
 
     seen = {}
@@ -73,7 +75,7 @@ def test_compile_thread_does_not_rewind_the_generator():
             done.wait(10)
 
     done = threading.Event()
-    t = threading.Thread(target=compile_like, name=C._THREAD_NAME)
+    t = threading.Thread(target=compile_like, name=T.THREAD_NAME)
     t.start()
     torch.manual_seed(3)
     torch.rand(4)  # the user's loop draws while the compile runs
@@ -96,7 +98,7 @@ def test_every_copy_of_the_rng_context_manager_is_guarded():
     import threading
     import types
 
-    from adaptive_eager.scheduler import compiler
+    from adaptive_eager.scheduler import compile_thread as compiler
 
     compiler._guard_user_rng()
     probe = types.ModuleType("torch._adaptive_eager_probe")
@@ -120,7 +122,7 @@ def test_every_copy_of_the_rng_context_manager_is_guarded():
             drawn.wait(10)
 
     torch.manual_seed(7)
-    t = threading.Thread(target=compile_like, name=compiler._THREAD_NAME)
+    t = threading.Thread(target=compile_like, name=compiler.THREAD_NAME)
     t.start()
     entered.wait(10)
     first = torch.rand(3)  # the training loop draws while the compile runs
