@@ -2,7 +2,7 @@
 
 A ``Report`` is a snapshot taken from the engine's own records, nothing is measured for it:
 
-* paths: every trie path segments ended at (scheduler.launch.Path): its ops, state, the
+* paths: every trie path segments ended at (tracer.lifecycle.Path): its ops, state, the
   user lines it spans, its replays, and the host time per segment measured cold and
   replayed (``cold_times`` / ``replay_times``);
 * events: every fallback and boundary reason with its count and the user lines it happened
@@ -25,7 +25,7 @@ import re
 import statistics
 from html import escape
 
-from adaptive_eager.scheduler.launch import HOT, RETIRED, WARM
+from adaptive_eager.tracer.lifecycle import HOT, RETIRED, WARM
 from adaptive_eager.scheduler.stats import STEP_FIELDS
 
 __all__ = ["Report", "PathInfo", "Event", "collect"]

@@ -2,7 +2,9 @@
 
 A backend turns a path (``OpSpec`` list) plus a *variant* -- which fresh outputs are live,
 and the values of floats that are specialized -- into a ``Graph`` whose ``run(inputs)`` does
-the whole segment in one call. Calling convention (Note [Graph inputs])::
+the whole segment in one call.
+
+Note [Graph inputs]: a compiled graph is called as::
 
     inputs = externals + [packed lifted floats (float64, 1-D)]? + live output tensors
 

@@ -7,8 +7,8 @@ while the compiler thread is runnable each op's return then waits up to a switch
 a compile ran (measured), and tracing and lowering hold the lock for seconds on their own.
 
 So fused compiles run in one long-lived child process (``python -m
-adaptive_eager.scheduler.compile_child``, its side of the pipes), started when the engine first learns a path and
-shared by every engine of the process. The compiler thread sends it the request (the
+adaptive_eager.scheduler.compile_child``, its side of the pipes), started when the engine
+first learns a path and shared by every engine of the process. The compiler thread sends it the request (the
 path's ops, metadata, plan and specialized floats: everything ``backends.trace`` reads),
 blocks on the pipe without the lock, and gets back Inductor's serialized output (the
 ``CompiledFxGraph`` that Inductor's own FX graph cache stores). Loading it here executes the

@@ -1,17 +1,14 @@
-"""Running a deferred segment: the captured ``Path``, liveness, variants, one launch, errors.
+"""Running a deferred segment: one launch of a path's graph, liveness, errors, crosscheck.
 
-A ``Path`` is the artifact captured for one trie path (root to a node where segments end):
-its ops, its lifecycle state and its compiled variants. Lifecycle (DESIGN §3)::
+``run`` launches one segment along a path (tracer.lifecycle.Path) with the graph the
+lifecycle chose for it (``graph_for``: a compiled fused graph, or None for the exact
+replay), on the device's queue, and reports what it did; it decides nothing about the
+path's life. The fused graph's *variant* (what it is specialized on beyond the path: which
+fresh outputs are still live at launch, so that dead ones stay in registers, and the
+values of floats that could not be lifted) is chosen from the liveness read here from
+storage use counts (Note [Liveness], ``live_values``).
 
-    cold --(ends >= hot_threshold)--> warm --(graph ready)--> hot --(slower / budget)--> retired
-
-A warm path defers already and replays exactly while its graph compiles (Note [Warm paths
-replay exactly] in tracer.learn); a hot one launches the fused graph.
-
-``run`` launches one segment along a path. A *variant* is what a compiled fused graph is
-specialized on beyond the path itself: which fresh outputs are still live at launch (dead ones
-are not materialized, so Inductor keeps them in registers) and the values of floats that
-could not be lifted. Liveness is read from storage use counts (Note [Liveness]).
+Note [Liveness]).
 
 Note [Liveness]: the engine holds each deferred fresh output only through weak references,
 to the tensor and to its storage. It must not hold the tensor: autograd steals a gradient
@@ -27,192 +24,47 @@ the last of them went, as in eager.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
-import math
-import statistics
 import time
 
 import torch
 
-from .backends import Graph, compile_graph, exact_graph, packed_floats, plan
-from .compiler import GraphKey
-from .program import Ext, OpFailed, Rec, alias_groups, host_call, interpret
+from .backends import Graph, packed_floats
+from .program import Ext, OpFailed, interpret
 from .queues import queue_for
 from .userline import traceback_at
 
-__all__ = ["Path", "run", "attribute", "mark", "CrosscheckError"]
+__all__ = ["run", "live_values", "attribute", "mark", "CrosscheckError"]
 
 log = logging.getLogger("adaptive_eager")
 _expired = torch.UntypedStorage._expired
 _revive = torch.UntypedStorage._new_with_weak_ptr
 
-COLD, WARM, HOT, RETIRED = "cold", "warm", "hot", "retired"
-
-
 class CrosscheckError(AssertionError):
     """A replay differed from running the same ops eagerly (``crosscheck=True``)."""
 
 
-class Path:
-    """The captured artifact of one path: its ops, state and compiled variants."""
-
-    def __init__(self, specs, backend: str):
-        self.specs = tuple(specs)
-        self.backend = backend
-        self.key = tuple(s.key for s in self.specs)
-        self.ext_metas = tuple(m for s in self.specs for m in s.ext_metas)
-        self.val_meta: list = []
-        self.val_op: list = []
-        for n, s in enumerate(self.specs):
-            for o in s.outs:
-                if o.kind in ("fresh", "view"):
-                    self.val_meta.append(o.meta if o.kind == "fresh" else None)
-                    self.val_op.append(n)
-        self.fresh = tuple(i for i, m in enumerate(self.val_meta) if m is not None)
-        metas = [m for m in self.ext_metas + tuple(self.val_meta) if m is not None]
-        self.device_type = metas[0].device.type if metas else "cpu"
-        queue = queue_for(self.device_type)
-        if backend != "exact" and queue.compile_backend is not None:
-            self.backend = backend = queue.compile_backend
-        self.launch_early = queue.launch_early
-        # Where the kernels run, when not on the recorded device (an emulated device's
-        # backing CPU tensors): factory ops and compiled graphs are mapped there.
-        compute = queue.compute_device
-        self.device_map = ({self.device_type: compute}
-                           if compute is not None and compute.type != self.device_type else None)
-        self.kernels = queue.kernels or None
-        self.host_call = host_call(self.device_map, self.kernels)
-        self.end = None  # the trie node this path ends at (set by the tracer)
-        self.state = COLD
-        self.reason = ""
-        self.variants: dict = {}  # variant -> GraphKey (requested or compiled)
-        self.pending: set = set()  # variants requested and not delivered yet
-        self.last_fused = False  # did the latest launch run the fused graph?
-        self.fused_off = ""  # why this path has no fused graph (replays stay exact), else ""
-        # Paths that differ only in shapes (a decode step at each length) form a family;
-        # its compiles share the variant budget (Note [Shape families] in tracer.learn).
-        self.family = hash(tuple(s.func for s in self.specs))
-        self.plans: dict = {}  # frozenset of dynamic float positions -> Plan
-        self.reference = None  # floats of the first recorded run (Note [Float variants])
-        self.dynamic: frozenset = frozenset()  # float positions seen to change
-        self.exact = None
-        self.cold_times = collections.deque(maxlen=8)
-        self.hot_times = collections.deque(maxlen=8)  # fused replays (graph retirement)
-        self.replay_times = collections.deque(maxlen=8)  # every deferred run (explain())
-        self.replays = 0
-        self.gid = 0
-        self._randoms = None  # (op index, spec, probability argument) of its random ops
-
-    def __repr__(self):
-        return f"Path({len(self.specs)} ops, {self.state}, {self.backend})"
-
-    @property
-    def lines(self) -> tuple:
-        return tuple(dict.fromkeys(s.line for s in self.specs))
-
-    def draws(self, floats) -> bool:
-        """Do this run's random ops draw numbers? Dropout-like ops with p == 0 do not."""
-        randoms = self._randoms
-        if randoms is None:
-            randoms = self._randoms = [(n, s, _probability_arg(s.func)) for n, s in
-                                       enumerate(self.specs) if s.random]
-        for n, spec, at in randoms:
-            if at is None:
-                return True
-            i, name, default = at
-            p = spec.args[i] if i < len(spec.args) else spec.kwargs.get(name, default)
-            if type(p) is Rec:
-                p = floats[n][p.j]
-            if p:
-                return True
-        return False
-
-    def exact_graph(self) -> Graph:
-        if self.exact is None:
-            self.exact = exact_graph(self.specs, len(self.ext_metas), self.device_map,
-                                     self.kernels)
-        return self.exact
-
-    @property
-    def plan(self):
-        the_plan = self.plans.get(self.dynamic)
-        if the_plan is None:
-            the_plan = self.plans[self.dynamic] = plan(self.specs, self.dynamic, self.reference)
-        return the_plan
-
-    def observe(self, floats) -> bool:
-        """Record one run's floats; True if a float seen before has changed (now dynamic)."""
-        ref = self.reference
-        if ref is None:
-            self.reference = list(floats)
-            return False
-        changed = set()
-        for n, (a, b) in enumerate(zip(ref, floats)):
-            if a != b:
-                changed.update((n, j) for j, (x, y) in enumerate(zip(a, b)) if x != y)
-        changed -= self.dynamic
-        if changed:
-            self.dynamic = self.dynamic | changed
-        return bool(changed)
-
-    def variant(self, live: tuple, floats) -> tuple:
-        """(live outputs, lifted positions, specialized values): what one graph serves."""
-        the_plan = self.plan
-        return live, the_plan.lifted, tuple(floats[n][j] for n, j in the_plan.specialized)
-
-    def builder(self, variant, process: bool = False):
-        live, _, spec_values = variant  # computed from the current plan just before
-        specs, ext_metas, the_plan, backend = self.specs, self.ext_metas, self.plan, self.backend
-        live_metas = {i: self.val_meta[i] for i in live}
-        device_map, kernels = self.device_map, self.kernels
-        return lambda: compile_graph(backend, specs, ext_metas, live_metas, the_plan,
-                                     spec_values, device_map, kernels, process)
-
-    def graph_key(self, variant) -> GraphKey:
-        return GraphKey(self.key, self.backend, variant)
-
-    def retire(self, reason: str) -> None:
-        self.state = RETIRED
-        self.reason = reason
-
-    def profitable(self, ratio: float) -> bool:
-        """False once the fused replays are measured slower than the eager segments."""
-        if ratio <= 0 or len(self.hot_times) < 4 or len(self.cold_times) < 2:
-            return True
-        hot = statistics.median(list(self.hot_times)[1:])
-        return hot <= ratio * statistics.median(self.cold_times)
-
-
-def _probability_arg(func):
-    """(position, name, default) of a dropout-like op's probability argument, else None.
-
-    The default matters: PyTorch leaves out an argument passed at its default value
-    (``bernoulli_(0.5)`` is recorded as ``bernoulli_(t)``), and such an op draws."""
-    for i, a in enumerate(func._schema.arguments):
-        if a.name in ("p", "dropout_p"):
-            return i, a.name, a.default_value or 0.0
-    return None
-
-
-def _target(path: Path, seg, i: int) -> torch.Tensor:
+def _target(path, seg, i: int) -> torch.Tensor:
     t = seg.outw[i]()
     return t if t is not None else path.val_meta[i].on_storage(_revive(seg.stor[i]))
 
 
-def live_values(path: Path, seg) -> tuple:
+def live_values(path, seg) -> tuple:
+    """The path's fresh outputs still alive (Note [Liveness])."""
     stor = seg.stor
     return tuple(i for i in path.fresh if stor[i] is not None and not _expired(stor[i]))
 
 
-def run(path: Path, seg, ctx, counters) -> None:
-    """Launch the segment: one compiled graph (or one exact replay) on the device's queue.
+def run(path, seg, graph: Graph | None, live: tuple, config, counters) -> bool:
+    """Launch the segment: ``graph`` (a compiled fused graph), or the path's exact replay
+    when None, on the device's queue. ``live``: the fresh outputs alive now.
 
     ``seg`` is the tracer's segment state; ``run`` reads its ``exts`` (external inputs),
     ``floats`` (one record per op), ``outw``/``stor`` (weak reference and storage of each
     value) and ``rng`` (generator state at the first deferred random op, or None).
-    ``ctx`` is the tracer: ``config``, ``debug``, ``cache``, ``request()`` and ``retire()``.
+    Returns True when the launch did one-off work (the first run of a fused graph, or the
+    generation of the path's exact replay), which the step governor does not time.
     """
     n_ops = len(seg.floats)
     specs = path.specs
@@ -221,13 +73,10 @@ def run(path: Path, seg, ctx, counters) -> None:
     counters.ops_deferred += n_ops
     counters.replays += 1
     path.replays += 1
-    live = live_values(path, seg)
-    graph = None
-    if path.backend != "exact" and path.state in (WARM, HOT):
-        graph = _fused_graph(path, seg, live, ctx, counters)
     path.last_fused = graph is not None
+    one_off = False
     targets = {i: _target(path, seg, i) for i in (graph.live if graph else live)}
-    reference = _crosscheck_reference(path, seg, targets) if ctx.config.crosscheck else None
+    reference = _crosscheck_reference(path, seg, targets) if config.crosscheck else None
     queue = queue_for(path.device_type)
     # What the launch reads, fixed now: an asynchronous queue runs it after the segment's
     # bookkeeping has been reset and while the program goes on (module docstring of queues).
@@ -241,7 +90,7 @@ def run(path: Path, seg, ctx, counters) -> None:
     if graph is not None:
         if not graph.ran:
             graph.ran = True
-            ctx.learning += 1
+            one_off = True
         inputs = [exts[k] for k in graph.plan.ext_inputs]
         if graph.plan.lifted:
             inputs.append(packed_floats([floats[n][j] for n, j in graph.plan.lifted],
@@ -249,10 +98,9 @@ def run(path: Path, seg, ctx, counters) -> None:
         inputs += [run_targets[i] for i in graph.live]
         fn, args = _run_fused, (path, graph, inputs, (exts, floats, seg.rng))
     else:
-        if path.exact is None:  # its replay is generated at this first use: one-off work
-            ctx.learning += 1
+        one_off = path.exact is None  # its replay is generated at this first use
         fn, args = _run_exact, (path, exts, floats, run_targets)
-    if ctx.debug >= 2:
+    if config.debug >= 2:
         start = time.perf_counter()
     with _rng_as_recorded(seg.rng), _range(path, n_ops):
         if queue.submit(fn, *args):
@@ -262,11 +110,12 @@ def run(path: Path, seg, ctx, counters) -> None:
             # random numbers are drawn in program order (Note [Device random numbers]).
             queue.synchronize()
             counters.fallback("random ops in a launch: waited for the device")
-    if ctx.debug >= 2:
+    if config.debug >= 2:
         log.debug("replay %s graph%d [%d ops] %.1f us", graph.backend if graph else "exact",
                   path.gid, n_ops, (time.perf_counter() - start) * 1e6)
     if reference is not None:
         _crosscheck_compare(path, seg, targets, reference, exact=graph is None)
+    return one_off
 
 
 # Note [Profiler ranges]: while ``torch.profiler`` records, each launch is submitted inside
@@ -299,7 +148,7 @@ class _Range:
         _exit(self.handle)
 
 
-def _range(path: Path, n_ops: int):
+def _range(path, n_ops: int):
     if not _profiling():
         return _NO_RANGE
     return _Range(f"adaptive_eager::graph{path.gid}[{n_ops} ops]")
@@ -311,58 +160,7 @@ def mark(reason: str) -> None:
         _exit(_enter(f"adaptive_eager::flush[{reason}]"))
 
 
-def _fused_graph(path: Path, seg, live: tuple, ctx, counters):
-    if path.fused_off:
-        counters.fallback(f"no fused graph ({path.fused_off}): replayed exactly")
-        return None
-    variant = path.variant(live, seg.floats)
-    key = path.variants.get(variant)
-    if key is None and path.observe(seg.floats):  # a specialized float changed: lift it
-        variant = path.variant(live, seg.floats)
-        key = path.variants.get(variant)
-    graph = ctx.cache.get(key) if key is not None else None
-    if graph is not None:
-        counters.cache_hits += 1
-        if ctx.debug >= 3:
-            log.debug("cache hit graph%d %r", path.gid, key)
-        if graph.mutates_external and _written_input_aliased(graph.plan, seg.exts):
-            counters.fallback("a written input aliases another input: replayed exactly")
-            return None
-        if 0.0 in variant[2] and not _same_zero_signs(graph.spec_values, variant[2]):
-            counters.fallback("a specialized float changed its sign of zero: replayed exactly")
-            return None
-        return graph
-    counters.cache_misses += 1
-    if ctx.debug >= 3:
-        log.debug("cache MISS graph%d %r: live outputs %d, specialized floats %s", path.gid,
-                  key or path.graph_key(variant), len(live), variant[2])
-    if key is None and len(path.variants) >= ctx.config.variant_budget:
-        ctx.retire(path, "variant budget exhausted")
-        return None
-    if variant not in path.pending:  # new, or evicted from the cache since
-        ctx.request(path, variant, counters)
-    counters.fallback("variant compiling: replayed exactly")
-    return None
-
-
-def _same_zero_signs(compiled, values) -> bool:
-    return all(math.copysign(1.0, a) == math.copysign(1.0, b)
-               for a, b in zip(compiled, values) if type(a) is float and a == 0.0)
-
-
-def _written_input_aliased(the_plan, exts) -> bool:
-    inputs = [exts[k] for k in the_plan.ext_inputs]
-    groups = alias_groups(inputs)
-    shared = {g for g in groups if g >= 0}
-    if not shared:
-        return False
-    for i in the_plan.mutated_inputs:
-        if groups[i] >= 0 or i in shared:
-            return True
-    return False
-
-
-def _run_exact(path: Path, exts, floats, targets: dict) -> None:
+def _run_exact(path, exts, floats, targets: dict) -> None:
     run = path.exact_graph().run
     with torch._C._AutoDispatchBelowADInplaceOrView():
         try:
@@ -371,7 +169,7 @@ def _run_exact(path: Path, exts, floats, targets: dict) -> None:
             raise attribute(f.error, path.specs[f.index]) from None
 
 
-def _run_fused(path: Path, graph: Graph, inputs: list, recorded) -> None:
+def _run_fused(path, graph: Graph, inputs: list, recorded) -> None:
     try:
         with torch._C._AutoDispatchBelowADInplaceOrView():
             graph.run(inputs)
@@ -379,7 +177,7 @@ def _run_fused(path: Path, graph: Graph, inputs: list, recorded) -> None:
         raise _attribute_fused(path, recorded, e) from None
 
 
-def _attribute_fused(path: Path, recorded, error: BaseException) -> BaseException:
+def _attribute_fused(path, recorded, error: BaseException) -> BaseException:
     """Find the op eager would have failed at: replay the ops on copies of what they write.
 
     ``recorded`` is the launch's (externals, floats, generator state).
@@ -450,7 +248,7 @@ class _rng_as_recorded:
             torch.set_rng_state(self.saved)
 
 
-def _crosscheck_reference(path: Path, seg, targets: dict):
+def _crosscheck_reference(path, seg, targets: dict):
     written = {m.k for s in path.specs for m in s.mutates if type(m) is Ext}
     exts = [t.clone() if k in written else t for k, t in enumerate(seg.exts)]
     rng = torch.get_rng_state()
@@ -460,7 +258,7 @@ def _crosscheck_reference(path: Path, seg, targets: dict):
     return env, {k: exts[k] for k in written}
 
 
-def _crosscheck_compare(path: Path, seg, targets: dict, reference, exact: bool) -> None:
+def _crosscheck_compare(path, seg, targets: dict, reference, exact: bool) -> None:
     env, written = reference
     pairs = [(targets[i], env[i], path.specs[path.val_op[i]]) for i in targets]
     last_writer = {}

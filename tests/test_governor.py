@@ -165,17 +165,17 @@ def test_measured_while_compiling_and_back_when_the_graph_arrives(monkeypatch):
     import threading
 
     from adaptive_eager.engine import ENGINE
-    from adaptive_eager.scheduler import launch
+    from adaptive_eager.tracer import lifecycle
 
     monkeypatch.setenv("NEURON_ADAPTIVE_EAGER_SUSPEND_RATIO", "1e-9")  # always "slower"
     release = threading.Event()
-    compile_graph = launch.compile_graph
+    compile_graph = lifecycle.compile_graph
 
     def held(*args, **kwargs):  # the compile finishes only when the test says so
         release.wait(60)
         return compile_graph(*args, **kwargs)
 
-    monkeypatch.setattr(launch, "compile_graph", held)
+    monkeypatch.setattr(lifecycle, "compile_graph", held)
     torch.manual_seed(0)
     model = nn.Linear(8, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -1,57 +1,22 @@
-"""Learning: new trie nodes from cold runs, and each path's lifecycle at segment ends.
+"""Learning: new trie nodes from cold runs.
 
-Cold runs execute the op eagerly and describe what came out (``make_node``). At a segment
-end the node's ``Path`` moves through its states (scheduler.launch): after ``hot_threshold``
-ends it is *warm* and its graph is requested from the background compiler; the delivery is
-installed here, on the owning thread, which makes the path *hot*; a graph measured slower
-than the eager segment, or a path out of variants, is *retired*.
-
-Note [Warm paths replay exactly]: a warm path already defers. Its segments launch as one
-``exact`` replay (bitwise eager, no compile needed) until the fused graph arrives, each
-counted as the fallback "variant compiling: replayed exactly". A training loop therefore
-reaches one launch per step after ``hot_threshold`` steps however long Inductor takes (a
-cold C++ compile takes seconds on two cores), and the loop never waits for the compiler.
-The exact tier is what the queue seam needs on launch-bound devices anyway: one submission
-per segment.
-
-Note [Cuts]: a hot segment *diverges* when its next op follows no hot child of the node it
-reached: the deferred prefix launches and the rest runs cold. A branch that recurs soon
-becomes hot itself and is followed through the slow path's key lookup; what keeps diverging
-is a point where the program never repeats (a data-dependent branch, objects the signature
-cannot match). After ``divergence_limit`` divergences at one node the path is *cut* there:
-every segment, cold or hot, ends right after that node's op. The prefix becomes a path of
-its own (deferred, launched, hot like any other), the remainder starts a new segment from
-the root and goes hot on its own if it repeats, and the longer paths through the node
-retire. So a path that keeps diverging costs one extra launch, counted with its reason (the
-op, the node and both user lines), instead of a flush and a cold run every step; cuts are
-never undone, so the trie stops growing there. A rare branch is not cut: it turns hot after
-``hot_threshold`` runs and no longer diverges.
-
-Note [Shape families]: a path's signature holds its shapes, so a decode step with a cache
-that grows by one token each step is a new path at every length, each with its own compile.
-Paths with the same ops in the same order whatever their shapes form a *family*; a family's
-fused compiles share the variant budget (``NEURON_ADAPTIVE_EAGER_VARIANTS``). Past it a new
-member goes hot as an exact replay (one launch, no compile), counted with its first line.
+A cold run executes the op eagerly; ``make_node`` describes what came out (the op's
+``OpSpec``: its arguments as segment leaves, its outputs' metadata, what it writes), so a
+deferred run of the same op needs no shape inference. What happens to the paths these nodes
+form, at each segment end, is tracer.lifecycle.
 """
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
-from adaptive_eager.scheduler import compile_process
-from adaptive_eager.scheduler.launch import COLD, HOT, RETIRED, WARM, Path
-from adaptive_eager.scheduler.program import (Ext, InductorDiffers, Meta, OpFailed, OpSpec, Out,
-                                              Val)
+from adaptive_eager.scheduler.program import Ext, Meta, OpSpec, Out, Val
 
 from .optable import OpClass
 from .signature import Unsupported, is_plain, out_specs, resolve_new, tree_of
-from .trie import Node, mark_hot, unmark_hot
+from .trie import Node
 
-__all__ = ["make_node", "after_end", "cut", "install", "request", "retire", "block"]
-
-log = logging.getLogger("adaptive_eager")
+__all__ = ["make_node", "register_outputs", "same_outputs", "tensors_of", "written_metas"]
 
 
 def tensors_of(args, kwargs) -> list:
@@ -197,154 +162,3 @@ def _view_base(node: Node, leaf):
             return leaf
         leaf, node = first, n.parent
     return leaf
-
-
-def block(node: Node, reason: str, mode) -> None:
-    """Never defer at ``node`` again; paths through it lose their graphs."""
-    node.blocked = reason
-    mode.counters.fallback(reason)
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        if n.path is not None and n.path.state in (WARM, HOT):
-            retire(mode, n.path, reason)
-        stack += n.children.values()
-
-
-def path_of(mode, node: Node) -> Path:
-    path = node.path
-    if path is None:
-        path = node.path = Path(node.specs(), mode.config.backend_for("cpu"))
-        path.end = node
-        mode.engine.n_paths += 1
-        path.gid = mode.engine.n_paths
-    return path
-
-
-def after_end(mode, node: Node, was_hot: bool, seconds: float) -> None:
-    path = path_of(mode, node)
-    if was_hot and path.state != COLD:
-        path.replay_times.append(seconds)
-        if path.state == HOT and path.last_fused:
-            path.hot_times.append(seconds)
-            ratio = mode.config.retire_ratio
-            # Under crosscheck every replay also runs eagerly: its times say nothing.
-            if not mode.config.crosscheck and not path.profitable(ratio):
-                retire(mode, path, f"slower than eager (ratio > {ratio})")
-        return
-    # A cold path: ended by a boundary after running eagerly, or, once a longer hot path was
-    # cut at its end (Note [Cuts]), after being deferred as that path's prefix.
-    path.observe(mode.seg.floats)
-    if not was_hot:
-        path.cold_times.append(seconds)
-    if path.state == COLD:
-        mode.learning += 1  # on its way to hot: recorded, checked, soon replayed
-    if path.state == COLD and path.backend == "inductor" and mode.config.compile_process:
-        compile_process.prepare()  # Note [Compiles leave the process]
-    if path.state == COLD and node.ends >= mode.config.hot_threshold:
-        _warm(mode, node, path)
-
-
-def cut(mode, node: Node, func, line: str) -> None:
-    """Segments end after ``node`` from now on (Note [Cuts]); paths through it retire."""
-    reason = (f"path cut: diverged {node.diverged} times after {node.spec.func} "
-              f"({node.spec.line}), at {func} ({line})")
-    node.cut = reason
-    mode.counters.fallback(reason)
-    if mode.debug >= 1:
-        log.info("%s", reason)
-    stack = list(node.children.values())
-    while stack:
-        n = stack.pop()
-        if n.path is not None and n.path.state in (WARM, HOT):
-            retire(mode, n.path, "cut short: " + reason)
-        stack += n.children.values()
-    node.ends_here = True
-
-
-def _warm(mode, node: Node, path: Path) -> None:
-    if path.backend == "exact":
-        path.state = HOT
-        mode.counters.graphs_compiled += 1
-        mark_hot(node)
-        if mode.debug >= 1:
-            log.info("graph%d ready: exact replay of %d ops (%s)", path.gid, len(path.specs),
-                     path.specs[0].line)
-        return
-    S = mode.seg
-    live = tuple(i for i in path.fresh if S.alive(i))
-    path.state = WARM
-    mark_hot(node)  # Note [Warm paths replay exactly]
-    compiled = mode.families.get(path.family, 0)
-    if compiled >= mode.config.variant_budget:  # Note [Shape families]
-        path.fused_off = "shape variants over budget"
-        path.state = HOT
-        mode.counters.fallback("shape variants of one path over the variant budget: "
-                               f"replayed exactly ({path.specs[0].line})")
-        return
-    mode.families[path.family] = compiled + 1
-    request(mode, path, path.variant(live, S.floats))
-
-
-def request(mode, path: Path, variant) -> None:
-    key = path.graph_key(variant)
-    path.variants[variant] = key
-    path.pending.add(variant)
-    if mode.debug >= 1:
-        log.info("compiling graph%d: %d ops, %d live outputs (%s .. %s)", path.gid,
-                 len(path.specs), len(variant[0]), path.specs[0].line, path.specs[-1].line)
-    mode.engine.compiler.request(key, path.builder(variant, mode.config.compile_process),
-                                 mode.inbox,
-                                 (mode.generation, path, variant))
-
-
-def install(mode) -> None:
-    """Take delivered compiles (on the owning thread) and make their paths hot."""
-    inbox = mode.inbox
-    c = mode.counters
-    while inbox:
-        (generation, path, variant), graph, error, built = inbox.popleft()
-        path.pending.discard(variant)
-        if generation != mode.generation or path.state == RETIRED:
-            continue
-        if error is not None:
-            # The path stays deferred as one exact replay per segment: a graph the backend
-            # cannot build must not send a hot loop back to running cold.
-            where = ""
-            if isinstance(error, OpFailed):  # tracing the program failed at one of its ops
-                where = f" at {path.specs[error.index].describe()}"
-                error = error.error
-            first = (str(error).splitlines() or [""])[0][:160]
-            # a graph Inductor would compute otherwise than eager is refused, not failed
-            differs = isinstance(error, InductorDiffers)
-            what = "not fused" if differs else "compile failed"
-            reason = f"{what}{where}: {type(error).__name__}: {first}"
-            path.fused_off = ("Inductor would compute it otherwise than eager" if differs
-                              else "its compile failed")
-            c.fallback(reason)
-            if mode.debug >= 1:
-                log.warning("graph%d %s; replaying exactly", path.gid, reason)
-            if path.state == WARM:
-                path.state = HOT
-            continue
-        if built:
-            c.graphs_compiled += 1
-            c.compile_seconds += graph.compile_seconds
-        graph.gid = path.gid
-        if mode.debug >= 1:
-            log.info("graph%d ready: %s, %d ops, compiled in %.2fs", path.gid, graph.backend,
-                     len(path.specs), graph.compile_seconds)
-        if mode.debug >= 4:
-            log.debug("graph%d code:\n%s", path.gid, graph.code)
-        if path.state == WARM:
-            path.state = HOT
-
-
-def retire(mode, path: Path, reason: str) -> None:
-    was_hot = path.state in (WARM, HOT)
-    path.retire(reason)
-    mode.counters.fallback(f"path retired: {reason}")
-    if mode.debug >= 1:
-        log.info("graph%d retired: %s", path.gid, reason)
-    if was_hot:
-        unmark_hot(path.end)

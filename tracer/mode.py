@@ -40,7 +40,7 @@ from adaptive_eager.scheduler.program import Val
 from adaptive_eager.scheduler.stats import Counters
 from adaptive_eager.scheduler.userline import user_line as _user_line
 
-from . import learn
+from . import learn, lifecycle
 from .optable import OpClass, info as op_info
 from .segment import Segment
 from .signature import MISS, Unsupported, describe_kind, is_plain, observe
@@ -69,7 +69,7 @@ class AdaptiveEagerMode(TorchDispatchMode):
         # first runs of fused graphs (the step governor does not time steps that did any:
         # Note [Stepping aside])
         self.learning = 0
-        self.families: dict = {}  # Note [Shape families] (tracer.learn): compiles per family
+        self.families: dict = {}  # Note [Shape families] (tracer.lifecycle): compiles per family
         self.paused = 0
         self.generation = 0  # bumped by reset_state: deliveries for older tries are dropped
         self.governor = None  # set by the engine (adaptive_eager.governor)
@@ -182,7 +182,7 @@ class AdaptiveEagerMode(TorchDispatchMode):
                 self.counters.fallback(child.blocked)
                 return res
         elif not learn.same_outputs(child.spec, res):
-            learn.block(child, "output metadata varies between runs", self)
+            lifecycle.block(child, "output metadata varies between runs", self)
             self.end_segment("boundary op")
             return res
         for x in op.new:
@@ -225,7 +225,7 @@ class AdaptiveEagerMode(TorchDispatchMode):
         """The op follows no hot child: launch the deferred prefix, continue cold.
 
         Returns True when the node has now diverged too often and the path is cut after it
-        (Note [Cuts] in tracer.learn): the segment has ended and the op starts a new one.
+        (Note [Cuts] in tracer.lifecycle): the segment has ended and the op starts a new one.
         """
         S = self.seg
         node = S.node
@@ -234,7 +234,7 @@ class AdaptiveEagerMode(TorchDispatchMode):
             log.debug("diverged after %s at depth %d", node.spec.func, node.depth)
         node.diverged += 1
         if not node.cut and node.diverged >= self.config.divergence_limit:
-            learn.cut(self, node, func, _user_line(1, self.thread))
+            lifecycle.cut(self, node, func, _user_line(1, self.thread))
         if node.cut:
             self.end_segment("path cut")
             return True
@@ -257,30 +257,26 @@ class AdaptiveEagerMode(TorchDispatchMode):
                 self._launch(node)
             if node is not None and node.depth:
                 node.ends += 1
-                learn.after_end(self, node, was_hot, time.perf_counter() - S.t0)
+                lifecycle.after_end(self, node, was_hot, time.perf_counter() - S.t0)
         finally:
             S.reset()
             self.counters.segments += node is not None and node.depth > 0
             self.counters.boundary(reason, was_hot)
             if self.inbox:
-                learn.install(self)
+                lifecycle.install(self)
 
     def _launch(self, node) -> None:
-        path = learn.path_of(self, node)
+        path = lifecycle.path_of(self, node)
+        live = _launch.live_values(path, self.seg)
+        graph = lifecycle.graph_for(self, path, live)
         # Paused while the launch runs: the compiled graph's own reads (Inductor checks input
         # alignment through data_ptr) must not re-enter the read guard's flush.
         self.paused += 1
         try:
-            _launch.run(path, self.seg, self, self.counters)
+            self.learning += _launch.run(path, self.seg, graph, live, self.config,
+                                         self.counters)
         finally:
             self.paused -= 1
-
-    # scheduler.launch calls back through these two
-    def request(self, path, variant, counters) -> None:
-        learn.request(self, path, variant)
-
-    def retire(self, path, reason: str) -> None:
-        learn.retire(self, path, reason)
 
     # ------------------------------------------------------------------ outside dispatch
 

@@ -4,19 +4,17 @@ A node is one op at one position of a segment; its edge key is the op's signatur
 (tracer.signature). It counts ``visits`` (cold runs through it) and ``ends`` (segments that
 ended or were flushed there), caches the op's output metadata in its ``OpSpec`` -- so a
 deferred op needs no shape inference -- and, where segments end, holds the ``Path`` artifact
-whose state machine (cold/warm/hot/retired) lives in scheduler.launch.
+whose life (cold/warm/hot/retired) is tracer.lifecycle.
 
-Hot marking: when a path's graph becomes ready every node on it counts one more hot end
-below it (``hot_ends``), and each parent's ``hot_next`` points at the child the hot path
+Hot marking (done by tracer.lifecycle): every node on a warm or hot path counts one more hot
+end below it (``hot_ends``), and each parent's ``hot_next`` points at the child the hot path
 takes: that pointer is all the hot path follows. ``ends_here`` marks a node where a hot path
 ends with nothing hot below it, on a device whose queue wants early launches, or a cut
-(Note [Cuts] in tracer.learn): the segment launches right after the node's op instead of at
-the next boundary.
+(Note [Cuts] in tracer.lifecycle): the segment launches right after the node's op instead of
+at the next boundary.
 """
 
 from __future__ import annotations
-
-from .signature import make_fast
 
 __all__ = ["Node", "new_root"]
 
@@ -40,7 +38,7 @@ class Node:
         self.hot_next = None
         self.ends_here = False
         self.fast = None
-        self.path = None  # scheduler.launch.Path once segments end here
+        self.path = None  # tracer.lifecycle.Path once segments end here
         self.n_ext = n_ext  # external inputs seen from the root through this op
         self.n_vals = n_vals  # segment values produced from the root through this op
         self.blocked = ""  # why this node never defers (unstable metadata), else ""
@@ -71,41 +69,3 @@ class Node:
 
 def new_root() -> Node:
     return Node(None, None, None, 0, 0)
-
-
-def mark_hot(end: Node) -> None:
-    """A graph for the path ending at ``end`` is ready: make the path deferrable."""
-    nodes = end.chain()
-    for n in nodes:
-        if n.fast is None:
-            n.fast = make_fast(n, n.parent.n_ext)
-    for n in nodes:
-        n.hot_ends += 1
-        n.parent.hot_next = n
-    _refresh_ends(nodes)
-
-
-def unmark_hot(end: Node) -> None:
-    """The path ending at ``end`` no longer has a graph."""
-    nodes = end.chain()
-    for n in nodes:
-        n.hot_ends -= 1
-    for n in nodes:
-        p = n.parent
-        if p.hot_next is n and not n.hot:
-            p.hot_next = next((c for c in p.children.values() if c.hot), None)
-    _refresh_ends(nodes)
-
-
-def _ends_here(n) -> bool:
-    if n.cut:
-        return True
-    p = n.path
-    return p is not None and p.state in ("warm", "hot") and p.launch_early and n.hot_next is None
-
-
-def _refresh_ends(nodes) -> None:
-    for n in nodes:
-        n.ends_here = _ends_here(n)
-        if n.parent is not None:
-            n.parent.ends_here = _ends_here(n.parent)
