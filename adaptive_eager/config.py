@@ -82,6 +82,10 @@ VARIABLES: tuple[Var, ...] = (
         "1: fused graphs whose kernels run on the CPU or on CUDA compile in a separate "
         "process, so the loop never waits for the interpreter lock while they compile; 0: "
         "on a thread of this process."),
+    Var("NEURON_ADAPTIVE_EAGER_HOT_PATH", "hot_path", "choice", "cpp",
+        "How a hot path checks and records each op: `cpp` (compiled, built once with the "
+        "machine's compiler; ops it cannot serve use Python, counted) or `python` (generated "
+        "Python, needing no compiler).", choices=("cpp", "python")),
     Var("NEURON_EMULATOR_LAUNCH_US", "emulator_launch_us", "float", 10.0,
         "Modelled launch latency of the emulated `neuron` device, in microseconds, paid per "
         "launch on the device's timeline (not by the host); see README, The neuron device.",
@@ -117,6 +121,7 @@ class Config:
     suspend_ratio: float = 1.05
     queue_depth: int = 8
     compile_process: bool = True
+    hot_path: str = "cpp"
 
     def backend_for(self, device_type: str) -> str:
         """Backend used for segments on ``device_type``."""

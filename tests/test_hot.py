@@ -114,9 +114,10 @@ def test_a_deferred_output_nobody_holds_is_freed_before_the_launch():
     assert freed == [True, True]
 
 
-def test_nodes_of_one_structure_share_their_fast_path_code():
+def test_nodes_of_one_structure_share_their_fast_path_code(monkeypatch):
     """Note [Shared fast-path code]: what differs between such nodes (the value an argument
     must be, shapes) lives in the function's globals, so one code object serves them all."""
+    monkeypatch.setenv("NEURON_ADAPTIVE_EAGER_HOT_PATH", "python")  # the generated code
     x = torch.randn(16)
 
     def step():

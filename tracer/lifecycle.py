@@ -62,6 +62,7 @@ from adaptive_eager.scheduler.program import (InductorDiffers, OpFailed, Rec, al
                                               host_call)
 from adaptive_eager.scheduler.queues import queue_for
 
+from . import native
 from .signature import make_fast
 from .trie import Node
 
@@ -283,7 +284,7 @@ def _warm(mode, node: Node, path: Path) -> None:
     if path.backend == "exact":
         path.state = HOT
         mode.counters.graphs_compiled += 1
-        _mark_hot(node)
+        _mark_hot(mode, node)
         if mode.debug >= 1:
             log.info("graph%d ready: exact replay of %d ops (%s)", path.gid, len(path.specs),
                      path.specs[0].line)
@@ -291,7 +292,7 @@ def _warm(mode, node: Node, path: Path) -> None:
     S = mode.seg
     live = tuple(i for i in path.fresh if S.alive(i))
     path.state = WARM
-    _mark_hot(node)  # Note [Warm paths replay exactly]
+    _mark_hot(mode, node)  # Note [Warm paths replay exactly]
     compiled = mode.families.get(path.family, 0)
     if compiled >= mode.config.variant_budget:  # Note [Shape families]
         path.fused_off = "shape variants over budget"
@@ -428,12 +429,18 @@ def written_input_aliased(the_plan, exts) -> bool:
 
 # ---------------------------------------------------------------- marking the trie
 
-def _mark_hot(end: Node) -> None:
+def _mark_hot(mode, end: Node) -> None:
     """A graph for the path ending at ``end`` is ready: make the path deferrable."""
     nodes = end.chain()
+    compiled = mode.config.hot_path == "cpp"
     for n in nodes:
         if n.fast is None:
-            n.fast = make_fast(n, n.parent.n_ext)
+            n.fast = native.make_fast(n, n.parent.n_ext) if compiled else None
+            if n.fast is None:
+                n.fast = make_fast(n, n.parent.n_ext)
+                if compiled:
+                    mode.counters.fallback(f"hot path in Python ({native.why_not(n)}) for "
+                                           f"{n.spec.func}")
     for n in nodes:
         n.hot_ends += 1
         n.parent.hot_next = n

@@ -1,10 +1,9 @@
 """Builds and loads the C++ neuron device (``csrc/``) with the machine's compiler.
 
-The extension is compiled once per torch version and source revision, into
-``~/.cache/adaptive_eager/neuron-<torch version>-<source hash>`` (``NEURON_EMULATOR_BUILD_DIR``
-overrides the parent directory); a later process loads the built library in well under a
-second. The first build takes a minute or two and says so in one line on stderr. Without a C++
-compiler or ninja the error is one line naming what to install.
+The extension is compiled once per torch version and source revision (adaptive_eager.cpp_build:
+``~/.cache/adaptive_eager/neuron-<torch version>-<source hash>``); a later process loads the
+built library in well under a second. The first build takes a minute or two and says so in one
+line on stderr. Without a C++ compiler or ninja the error is one line naming what to install.
 
 Loading registers the device with PyTorch: PrivateUse1 kernels, its allocator, guard and
 hooks. A process can hold one PrivateUse1 backend, so this cannot be loaded beside the Python
@@ -14,13 +13,12 @@ emulator (``emulator.py``); ``register`` chooses.
 from __future__ import annotations
 
 import atexit
-import hashlib
-import os
-import shutil
 import sys
 from pathlib import Path
 
 import torch
+
+from adaptive_eager import cpp_build
 
 __all__ = ["load", "register", "build_dir", "SOURCES"]
 
@@ -34,12 +32,11 @@ _LIB = None  # the Python kernels' registrations (kept alive)
 
 def build_dir() -> Path:
     """Where the extension is built: keyed by torch's version and the sources' contents."""
-    digest = hashlib.sha256()
-    for name in sorted(SOURCES) + ["neuron.h"]:
-        digest.update((_CSRC / name).read_bytes())
-    root = os.environ.get("NEURON_EMULATOR_BUILD_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "adaptive_eager")
-    return Path(root) / f"neuron-{torch.__version__}-{digest.hexdigest()[:12]}"
+    return cpp_build.build_dir("neuron", _files())
+
+
+def _files() -> list:
+    return [_CSRC / name for name in (*SOURCES, "neuron.h")]
 
 
 def load():
@@ -47,37 +44,9 @@ def load():
     global _module
     if _module is not None:
         return _module
-    compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None:
-        raise RuntimeError(f"adaptive_eager.neuron: the C++ device needs a C++ compiler and "
-                           f"{compiler!r} is not on PATH; install g++ (e.g. apt install g++), "
-                           "or set NEURON_EMULATOR_IMPL=python for the Python device")
-    from torch.utils import cpp_extension
-
-    if shutil.which("ninja") is None:
-        try:  # the ninja package (a dependency) carries the binary, off PATH in an inactive venv
-            import ninja
-
-            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-        except ImportError:
-            pass
-    if not cpp_extension.is_ninja_available():
-        raise RuntimeError("adaptive_eager.neuron: the C++ device is built with ninja, which is "
-                           "not on PATH; install it (pip install ninja, or apt install "
-                           "ninja-build), or set NEURON_EMULATOR_IMPL=python")
-    where = build_dir()
-    built = any(where.glob("*.so")) if where.exists() else False
-    where.mkdir(parents=True, exist_ok=True, mode=0o700)
-    if not built:
-        print(f"adaptive_eager.neuron: building the C++ device once into {where} "
-              "(a minute or two)", file=sys.stderr, flush=True)
-    _module = cpp_extension.load(
-        name="adaptive_eager_neuron",
-        sources=[str(_CSRC / s) for s in SOURCES],
-        build_directory=str(where),
-        extra_cflags=["-O2", "-std=c++17"],
-        verbose=False,
-    )
+    _module = cpp_build.build("neuron", [_CSRC / s for s in SOURCES], [_CSRC / "neuron.h"],
+                              who="adaptive_eager.neuron", what="the C++ device",
+                              instead="set NEURON_EMULATOR_IMPL=python for the Python device")
     atexit.register(_drain_at_exit)
     return _module
 

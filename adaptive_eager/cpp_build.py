@@ -1,0 +1,64 @@
+"""Building the project's C++ extensions with the machine's compiler, once per source revision.
+
+An extension is compiled by ``torch.utils.cpp_extension`` (ninja, the installed torch's
+headers) into ``~/.cache/adaptive_eager/<name>-<torch version>-<source hash>``
+(``NEURON_EMULATOR_BUILD_DIR`` overrides the parent directory); a later process loads the built
+library in well under a second. The first build says so in one line on stderr. Without a C++
+compiler or ninja the error is one line naming what to install, and what to set instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+__all__ = ["build", "build_dir"]
+
+
+def build_dir(name: str, files) -> Path:
+    """Where ``name`` is built: keyed by torch's version and its files' contents."""
+    digest = hashlib.sha256()
+    for f in sorted(files, key=lambda p: Path(p).name):
+        digest.update(Path(f).read_bytes())
+    root = os.environ.get("NEURON_EMULATOR_BUILD_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "adaptive_eager")
+    return Path(root) / f"{name}-{torch.__version__}-{digest.hexdigest()[:12]}"
+
+
+def build(name: str, sources, headers=(), *, who: str, what: str, instead: str):
+    """Build (if needed) and load the extension ``adaptive_eager_<name>``.
+
+    ``who`` prefixes messages (``adaptive_eager.neuron``), ``what`` names the extension in
+    them (``the C++ device``), ``instead`` says what to set without a toolchain.
+    """
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"{who}: {what} needs a C++ compiler and {compiler!r} is not on "
+                           f"PATH; install g++ (e.g. apt install g++), or {instead}")
+    from torch.utils import cpp_extension
+
+    if shutil.which("ninja") is None:
+        try:  # the ninja package (a dependency) carries the binary, off PATH in an inactive venv
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        except ImportError:
+            pass
+    if not cpp_extension.is_ninja_available():
+        raise RuntimeError(f"{who}: {what} is built with ninja, which is not on PATH; install "
+                           f"it (pip install ninja, or apt install ninja-build), or {instead}")
+    sources = [str(s) for s in sources]
+    where = build_dir(name, [*sources, *headers])
+    built = any(where.glob("*.so")) if where.exists() else False
+    where.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if not built:
+        print(f"{who}: building {what} once into {where} (a minute or two)", file=sys.stderr,
+              flush=True)
+    return cpp_extension.load(name=f"adaptive_eager_{name}", sources=sources,
+                              build_directory=str(where), extra_cflags=["-O2", "-std=c++17"],
+                              verbose=False)

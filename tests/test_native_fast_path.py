@@ -1,0 +1,134 @@
+"""tracer.native: a hot node's fast path compiled, equal in every observable to the generated
+Python one (NEURON_ADAPTIVE_EAGER_HOT_PATH=cpp|python)."""
+
+import pytest
+import torch
+
+import adaptive_eager as ae
+from adaptive_eager import cpp_build
+from adaptive_eager.tracer import native
+
+CPU = dict(devices=("cpu",), backend="exact")
+
+
+def program():
+    """One step touching each kind of check the compiled path makes: segment values, old and
+    new externals (a fresh batch each step), recorded floats and ints, constants, keyword
+    arguments, in-place results (aliases), several results, a factory under the default
+    dtype, and an optimizer's in-place updates."""
+    torch.manual_seed(1)
+    w = torch.randn(8, 4, requires_grad=True)
+    opt = torch.optim.SGD([w], lr=0.1, momentum=0.9)
+    out = []
+
+    def step(i):
+        x = torch.randn(3, 8)  # a new external every step
+        y = (x @ w).relu() * 0.5 + i * 0.25  # a float that changes: recorded
+        y = torch.add(y, torch.ones(3, 4), alpha=2.0)  # a keyword argument, a factory
+        top, idx = y.max(dim=1, keepdim=True)  # two results
+        loss = (y - top).pow(2).mean() + idx.sum() * 0
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        out.append((loss.item(), y.detach().clone()))
+
+    return step, out, w
+
+
+def run(hot_path, monkeypatch, steps=8):
+    monkeypatch.setenv("NEURON_ADAPTIVE_EAGER_HOT_PATH", hot_path)
+    ae.reset()
+    step, out, w = program()
+    with ae.enabled(**CPU):
+        for i in range(steps):
+            step(i)
+        s = ae.stats()
+        kinds = {}
+        stack = [ae._engine().mode().root]
+        while stack:
+            n = stack.pop()
+            stack += n.children.values()
+            if n.fast is not None:
+                name = type(n.fast).__name__
+                kinds[name] = kinds.get(name, 0) + 1
+    return out, w.detach().clone(), s, kinds
+
+
+def counts(s):
+    fallbacks = {k: v for k, v in s.fallbacks.items() if not k.startswith("hot path in Python")}
+    return (s.launches, s.replays, s.ops_deferred, s.ops_eager, s.ops_views, fallbacks,
+            dict(s.boundaries))
+
+
+def test_compiled_and_generated_fast_paths_agree(monkeypatch):
+    step, want, w_eager = program()
+    for i in range(8):
+        step(i)
+    got_py, w_py, s_py, kinds_py = run("python", monkeypatch)
+    got_c, w_c, s_c, kinds_c = run("cpp", monkeypatch)
+    assert set(kinds_py) == {"function"} and kinds_c["FastPath"] > kinds_c["function"]
+    for got in (got_py, got_c):
+        assert [g[0] for g in got] == [x[0] for x in want]
+        assert all(torch.equal(g[1], x[1]) for g, x in zip(got, want))
+    assert torch.equal(w_py, w_eager) and torch.equal(w_c, w_eager)
+    assert s_c.replays > 0 and counts(s_c) == counts(s_py)
+    # each node the compiled path leaves to Python is counted once, with the reason
+    left = {k: v for k, v in s_c.fallbacks.items() if k.startswith("hot path in Python")}
+    assert sum(left.values()) == kinds_c["function"] and all("(" in k for k in left)
+
+
+@pytest.mark.parametrize("hot_path", ["cpp", "python"])
+def test_a_call_that_differs_misses_and_changes_nothing(hot_path, monkeypatch):
+    # A hot path whose op gets another tensor than the one it expects (the program switched
+    # inputs), or runs under another default dtype: the call misses before anything is
+    # recorded, the prefix launches, and the values are eager's.
+    monkeypatch.setenv("NEURON_ADAPTIVE_EAGER_HOT_PATH", hot_path)
+    a, b = torch.randn(16), torch.randn(16)
+
+    def step(x, y):
+        z = x * 2 + y
+        return (z * torch.ones(16)).sum().item()
+
+    with ae.enabled(**CPU):
+        for _ in range(4):
+            step(a, b)
+        d = ae.stats().fallbacks.get("diverged from the hot path", 0)
+        assert step(b, a) == pytest.approx((b * 2 + a).sum().item())
+        torch.set_default_dtype(torch.float64)
+        try:
+            got = step(a, b)
+        finally:
+            torch.set_default_dtype(torch.float32)
+        assert ae.stats().fallbacks.get("diverged from the hot path", 0) > d
+    assert step(a, b) == (a * 2 + b).mul(torch.ones(16)).sum().item()
+    assert got == (a * 2 + b).double().mul(torch.ones(16, dtype=torch.float64)).sum().item()
+
+
+def test_only_nodes_it_can_serve_are_compiled():
+    # views of segment values and lists of tensors are compiled; views of externals and
+    # random ops stay in the generated Python, each with its reason
+    x = torch.randn(4, 4)
+    with ae.enabled(**CPU):
+        for _ in range(4):
+            y = (x * 2).t()  # a view of a segment value
+            z = torch.cat([y, x + 1]).sum() + x.t().sum()  # a list; a view of an external
+            (z + torch.nn.functional.dropout(x, 0.5).sum()).item()
+        node, compiled = ae._engine().mode().root, {}
+        while node.hot_next is not None:
+            node = node.hot_next
+            compiled.setdefault(str(node.spec.func), []).append(type(node.fast).__name__)
+    reasons = {k.split(" for ")[0] for k in ae.stats().fallbacks if k.startswith("hot path")}
+    assert reasons == {"hot path in Python (a view of an external)",
+                       "hot path in Python (a random op)"}
+    assert compiled["aten.cat.default"] == ["FastPath"]
+    assert compiled["aten.t.default"] == ["FastPath", "function"]  # (x * 2).t(), x.t()
+    assert set(compiled["aten.mul.Tensor"]) == {"FastPath"}
+
+
+def test_without_a_compiler_the_error_names_the_setting(monkeypatch):
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    with pytest.raises(RuntimeError, match="NEURON_ADAPTIVE_EAGER_HOT_PATH=python") as e:
+        cpp_build.build("fast_path_probe", [native._CSRC / "fast_path.cpp"],
+                        who="adaptive_eager", what="the compiled hot path",
+                        instead="set NEURON_ADAPTIVE_EAGER_HOT_PATH=python")
+    assert "\n" not in str(e.value) and "/nonexistent/c++" in str(e.value)

@@ -1,0 +1,528 @@
+// The hot path of one trie node, compiled: what tracer.signature.make_fast generates in
+// Python, for the nodes whose every argument is a tensor, a recorded float or int, or a
+// constant (tracer.native decides which). Called by the dispatch mode for each op that a hot
+// segment expects next: it checks the call against the node's template by identity, records
+// the op (new externals, floats), allocates the fresh outputs with at::empty_strided from
+// cached metadata, and moves the segment on, touching the tracer's Python segment state
+// (tracer.segment.Segment) exactly as the generated function does. A call that does not
+// match returns the MISS sentinel before changing anything.
+#include <torch/extension.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <vector>
+
+namespace {
+
+enum class Kind { Val, Ext, New, SameNew, Rec, Const, Is, Seq };
+
+struct Check {
+  Kind kind;
+  Py_ssize_t index = 0;           // Val: value index; Ext: external index; New/SameNew: new
+                                  // external's position; Rec: recorded slot
+  PyObject* type = nullptr;       // Rec, Const: the exact type required
+  PyObject* value = nullptr;      // Const: equal to it; Is: identical to it
+  // New: the metadata a new external must have
+  at::ScalarType dtype = at::kFloat;
+  std::vector<int64_t> sizes, strides;
+  c10::Device device = c10::Device(c10::kCPU);
+  std::vector<Check> items;       // Seq: a list or tuple (``type``) of these, in order
+};
+
+struct Arg {
+  PyObject* name = nullptr;       // keyword name, or nullptr for a positional argument
+  Check check;
+};
+
+enum class Res { Fresh, Alias, AliasKw, None };
+
+struct Out {
+  Res kind;
+  std::vector<int64_t> sizes, strides;
+  at::TensorOptions options;
+  Py_ssize_t arg = 0;
+  PyObject* name = nullptr;
+};
+
+struct Strings {
+  PyObject *outw, *exts, *ids, *extw, *floats, *stor, *hot, *start, *node, *expect, *hot_next,
+      *ends_here, *finish;
+};
+Strings s;
+
+struct FastNode {
+  PyObject_HEAD
+  vectorcallfunc vectorcall;
+  PyObject* node;     // the trie node (S.node = node)
+  PyObject* plain;    // the set of plain tensor types
+  PyObject* miss;     // the MISS sentinel
+  PyObject* empty;    // the EMPTY tuple of floats
+  PyObject* source;   // the Python function it stands for (kept for ``fast.source``)
+  PyObject* view;     // a view op: the op to call (its results are the node's), else nullptr
+  std::vector<Arg>* args;
+  std::vector<Out>* outs;
+  Py_ssize_t n_args, n_kwargs, n_recs, n_new;
+  int tree;           // 0 none, 1 one, 2 tuple, 3 list
+  bool first;         // depth 1: the segment starts here
+  bool check_dtype;
+  at::ScalarType default_dtype;
+};
+
+PyObject* fetch(PyObject* args, PyObject* kwargs, const Arg& a, Py_ssize_t pos) {
+  if (a.name == nullptr) return PyTuple_GET_ITEM(args, pos);
+  return PyDict_GetItem(kwargs, a.name);  // borrowed, or nullptr
+}
+
+bool same_ints(c10::IntArrayRef got, const std::vector<int64_t>& want) {
+  return got.size() == want.size() && std::equal(got.begin(), got.end(), want.begin());
+}
+
+// Is ``t`` already a source of the segment (tracer.segment.Segment.source)?
+int known(PyObject* t, PyObject* ids, PyObject* outw, PyObject* extw) {
+  PyObject* key = PyLong_FromVoidPtr(t);
+  if (key == nullptr) return -1;
+  PyObject* idx = PyDict_GetItemWithError(ids, key);
+  Py_DECREF(key);
+  if (idx == nullptr) return PyErr_Occurred() ? -1 : 0;
+  Py_ssize_t i = PyLong_AsSsize_t(idx);
+  if (i == -1 && PyErr_Occurred()) return -1;
+  PyObject* list = i >= 0 ? outw : extw;
+  Py_ssize_t at = i >= 0 ? i : ~i;
+  if (at >= PyList_GET_SIZE(list)) return 0;
+  return PyWeakref_GET_OBJECT(PyList_GET_ITEM(list, at)) == t;
+}
+
+struct Seen {
+  PyObject *outw, *exts, *ids, *extw;
+  PyObject** recs;
+  PyObject** fresh_exts;
+};
+
+// One argument against its check: 1 it matches, 0 it does not, -1 an error is set.
+int check_one(FastNode* f, const Check& c, PyObject* v, Seen& st) {
+  switch (c.kind) {
+    case Kind::Val:
+      if (c.index >= PyList_GET_SIZE(st.outw)) return 0;
+      return PyWeakref_GET_OBJECT(PyList_GET_ITEM(st.outw, c.index)) == v;
+    case Kind::Ext:
+      return c.index < PyList_GET_SIZE(st.exts) && PyList_GET_ITEM(st.exts, c.index) == v;
+    case Kind::SameNew:
+      return st.fresh_exts[c.index] == v;
+    case Kind::New: {
+      int in_plain = PySet_Contains(f->plain, (PyObject*)Py_TYPE(v));
+      if (in_plain != 1) return in_plain;
+      const at::Tensor& t = THPVariable_Unpack(v);
+      if (t.layout() != at::kStrided || t.scalar_type() != c.dtype ||
+          !same_ints(t.sizes(), c.sizes) || !same_ints(t.strides(), c.strides) ||
+          t.device() != c.device)
+        return 0;
+      int seen = known(v, st.ids, st.outw, st.extw);
+      if (seen != 0) return seen < 0 ? -1 : 0;
+      for (Py_ssize_t j = 0; j < c.index; j++)
+        if (st.fresh_exts[j] == v) return 0;
+      st.fresh_exts[c.index] = v;
+      return 1;
+    }
+    case Kind::Rec:
+      if ((PyObject*)Py_TYPE(v) != c.type) return 0;
+      st.recs[c.index] = v;
+      return 1;
+    case Kind::Const: {
+      if ((PyObject*)Py_TYPE(v) != c.type) return 0;
+      int ne = PyObject_RichCompareBool(v, c.value, Py_NE);
+      return ne < 0 ? -1 : !ne;
+    }
+    case Kind::Is:
+      return v == c.value;
+    case Kind::Seq: {
+      if ((PyObject*)Py_TYPE(v) != c.type) return 0;
+      Py_ssize_t n = (Py_ssize_t)c.items.size();
+      if (PySequence_Fast_GET_SIZE(v) != n) return 0;  // an exact list or tuple
+      for (Py_ssize_t j = 0; j < n; j++) {
+        int r = check_one(f, c.items[j], PySequence_Fast_GET_ITEM(v, j), st);
+        if (r != 1) return r;
+      }
+      return 1;
+    }
+  }
+  return 0;
+}
+
+// The checks: 1 the call matches, 0 it does not, -1 an error is set.
+int matches(FastNode* f, PyObject* args, PyObject* kwargs, Seen& st) {
+  if (!PyTuple_Check(args) || PyTuple_GET_SIZE(args) != f->n_args) return 0;
+  Py_ssize_t nk = kwargs == nullptr ? 0 : PyDict_GET_SIZE(kwargs);
+  if (nk != f->n_kwargs) return 0;
+  Py_ssize_t pos = 0;
+  for (const Arg& a : *f->args) {
+    PyObject* v = fetch(args, kwargs, a, pos);
+    if (a.name == nullptr) pos++;
+    if (v == nullptr) return 0;
+    int r = check_one(f, a.check, v, st);
+    if (r != 1) return r;
+  }
+  return 1;
+}
+
+// Register ``t`` under ``index`` in the segment's id map (``ids[id(t)] = index``).
+bool set_id(PyObject* ids, PyObject* t, Py_ssize_t index) {
+  PyObject* key = PyLong_FromVoidPtr(t);
+  PyObject* val = PyLong_FromSsize_t(index);
+  bool ok = key && val && PyDict_SetItem(ids, key, val) == 0;
+  Py_XDECREF(key);
+  Py_XDECREF(val);
+  return ok;
+}
+
+bool append_new(PyObject* list, PyObject* item) {  // steals ``item``
+  if (item == nullptr) return false;
+  int rc = PyList_Append(list, item);
+  Py_DECREF(item);
+  return rc == 0;
+}
+
+PyObject* attr(PyObject* o, PyObject* name) { return PyObject_GetAttr(o, name); }
+
+PyObject* run(FastNode* f, PyObject* args, PyObject* kwargs, PyObject* S) {
+  PyObject *outw = attr(S, s.outw), *exts = attr(S, s.exts), *ids = attr(S, s.ids),
+           *extw = attr(S, s.extw);
+  PyObject* result = nullptr;
+  std::vector<PyObject*> recs(f->n_recs, nullptr), fresh(f->n_new, nullptr), made;
+  int ok = -1;
+  if (outw && exts && ids && extw) {
+    if (!PyList_Check(outw) || !PyList_Check(exts) || !PyList_Check(extw) ||
+        !PyDict_Check(ids)) {
+      PyErr_SetString(PyExc_TypeError, "fast path: unexpected segment state");
+    } else {
+      Seen st{outw, exts, ids, extw, recs.data(), fresh.data()};
+      ok = matches(f, args, kwargs, st);
+      if (ok == 1 && f->check_dtype &&
+          c10::typeMetaToScalarType(at::get_default_dtype()) != f->default_dtype)
+        ok = 0;
+    }
+  }
+  if (ok == 1 && f->first) {  // ``if not S.hot and not S.start(): return MISS``
+    PyObject* hot = attr(S, s.hot);
+    int is_hot = hot ? PyObject_IsTrue(hot) : -1;
+    Py_XDECREF(hot);
+    if (is_hot < 0) {
+      ok = -1;
+    } else if (!is_hot) {
+      PyObject* started = PyObject_CallMethodNoArgs(S, s.start);
+      int yes = started ? PyObject_IsTrue(started) : -1;
+      Py_XDECREF(started);
+      ok = yes < 0 ? -1 : yes;
+    }
+  }
+  if (ok != 1) {
+    Py_XDECREF(outw); Py_XDECREF(exts); Py_XDECREF(ids); Py_XDECREF(extw);
+    if (ok == 0) { Py_INCREF(f->miss); return f->miss; }
+    return nullptr;
+  }
+  // The call matches: record it, as the generated function does.
+  bool good = true;
+  for (Py_ssize_t j = 0; good && j < f->n_new; j++) {
+    PyObject* t = fresh[j];
+    good = set_id(ids, t, ~PyList_GET_SIZE(exts)) && PyList_Append(exts, t) == 0 &&
+           append_new(extw, PyWeakref_NewRef(t, nullptr));
+  }
+  PyObject* floats = good ? attr(S, s.floats) : nullptr;
+  good = floats != nullptr;
+  if (good) {
+    PyObject* rec;
+    if (f->n_recs) {
+      rec = PyTuple_New(f->n_recs);
+      for (Py_ssize_t j = 0; rec && j < f->n_recs; j++) {
+        Py_INCREF(recs[j]);
+        PyTuple_SET_ITEM(rec, j, recs[j]);
+      }
+    } else {
+      rec = f->empty;
+      Py_INCREF(rec);
+    }
+    good = append_new(floats, rec);
+    Py_DECREF(floats);
+  }
+  PyObject* stor = good ? attr(S, s.stor) : nullptr;
+  good = good && stor != nullptr;
+  if (good && f->view != nullptr) {  // ``r = op(*a, **k)``; each leaf a value, no storage ref
+    result = PyObject_Call(f->view, args, kwargs);
+    good = result != nullptr;
+    PyObject* seq = nullptr;
+    if (good && f->tree != 1) {
+      seq = PySequence_Fast(result, "fast path: a view's results");
+      good = seq != nullptr;
+    }
+    Py_ssize_t n = !good ? 0 : f->tree == 1 ? 1 : PySequence_Fast_GET_SIZE(seq);
+    for (Py_ssize_t j = 0; good && j < n; j++) {
+      PyObject* leaf = f->tree == 1 ? result : PySequence_Fast_GET_ITEM(seq, j);
+      good = set_id(ids, leaf, PyList_GET_SIZE(outw)) &&
+             append_new(outw, PyWeakref_NewRef(leaf, nullptr)) &&
+             PyList_Append(stor, Py_None) == 0;
+    }
+    Py_XDECREF(seq);
+    if (!good) Py_CLEAR(result);
+  }
+  for (const Out& o : *f->outs) {
+    if (f->view != nullptr) break;
+    if (!good) break;
+    PyObject* leaf = nullptr;
+    if (o.kind == Res::Fresh) {
+      try {
+        at::Tensor t = at::empty_strided(o.sizes, o.strides, o.options);
+        c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
+        leaf = THPVariable_Wrap(std::move(t));
+        good = leaf && set_id(ids, leaf, PyList_GET_SIZE(outw)) &&
+               append_new(outw, PyWeakref_NewRef(leaf, nullptr)) &&
+               append_new(stor, PyLong_FromVoidPtr(c10::raw::intrusive_ptr::make_weak(impl)));
+      } catch (const std::exception& e) {
+        PyErr_SetString(PyExc_RuntimeError, e.what());
+        good = false;
+      }
+    } else if (o.kind == Res::Alias) {
+      leaf = PyTuple_GET_ITEM(args, o.arg);
+      Py_INCREF(leaf);
+    } else if (o.kind == Res::AliasKw) {
+      leaf = PyDict_GetItem(kwargs, o.name);
+      Py_XINCREF(leaf);
+      good = leaf != nullptr;
+    } else {
+      leaf = Py_None;
+      Py_INCREF(leaf);
+    }
+    if (leaf) made.push_back(leaf);
+  }
+  Py_XDECREF(stor);
+  if (good && f->view == nullptr) {
+    if (f->tree == 0) {
+      result = Py_None;
+      Py_INCREF(result);
+    } else if (f->tree == 1) {
+      result = made[0];
+      Py_INCREF(result);
+    } else {
+      Py_ssize_t n = (Py_ssize_t)made.size();
+      result = f->tree == 2 ? PyTuple_New(n) : PyList_New(n);
+      for (Py_ssize_t j = 0; result && j < n; j++) {
+        Py_INCREF(made[j]);
+        if (f->tree == 2) PyTuple_SET_ITEM(result, j, made[j]);
+        else PyList_SET_ITEM(result, j, made[j]);
+      }
+    }
+  }
+  for (PyObject* m : made) Py_DECREF(m);
+  Py_DECREF(outw); Py_DECREF(exts); Py_DECREF(ids); Py_DECREF(extw);
+  if (result == nullptr) return nullptr;
+  // ``S.node = N; S.expect = N.hot_next; if N.ends_here: S.finish()``
+  PyObject* next = attr(f->node, s.hot_next);
+  bool moved = next && PyObject_SetAttr(S, s.node, f->node) == 0 &&
+               PyObject_SetAttr(S, s.expect, next) == 0;
+  Py_XDECREF(next);
+  if (moved) {
+    PyObject* ends = attr(f->node, s.ends_here);
+    int end = ends ? PyObject_IsTrue(ends) : -1;
+    Py_XDECREF(ends);
+    if (end > 0) {
+      PyObject* done = PyObject_CallMethodNoArgs(S, s.finish);
+      moved = done != nullptr;
+      Py_XDECREF(done);
+    }
+    moved = moved && end >= 0;
+  }
+  if (!moved) {
+    Py_DECREF(result);
+    return nullptr;
+  }
+  return result;
+}
+
+PyObject* fast_vectorcall(PyObject* self, PyObject* const* argv, size_t nargsf,
+                          PyObject* kwnames) {
+  Py_ssize_t n = PyVectorcall_NARGS(nargsf);
+  if (n != 3 || kwnames != nullptr) {
+    PyErr_SetString(PyExc_TypeError, "fast path: called as fast(args, kwargs, segment)");
+    return nullptr;
+  }
+  PyObject* kwargs = argv[1];
+  if (kwargs != Py_None && !PyDict_Check(kwargs)) {
+    PyErr_SetString(PyExc_TypeError, "fast path: kwargs must be a dict");
+    return nullptr;
+  }
+  return run((FastNode*)self, argv[0], kwargs == Py_None ? nullptr : kwargs, argv[2]);
+}
+
+void release_check(Check& c) {
+  Py_XDECREF(c.type);
+  Py_XDECREF(c.value);
+  for (Check& item : c.items) release_check(item);
+}
+
+void release_checks(std::vector<Arg>* args) {
+  for (Arg& a : *args) {
+    Py_XDECREF(a.name);
+    release_check(a.check);
+  }
+}
+
+void fast_dealloc(PyObject* self) {
+  FastNode* f = (FastNode*)self;
+  Py_XDECREF(f->node);
+  Py_XDECREF(f->plain);
+  Py_XDECREF(f->miss);
+  Py_XDECREF(f->empty);
+  Py_XDECREF(f->source);
+  Py_XDECREF(f->view);
+  if (f->args) { release_checks(f->args); delete f->args; }
+  if (f->outs) {
+    for (Out& o : *f->outs) Py_XDECREF(o.name);
+    delete f->outs;
+  }
+  Py_TYPE(self)->tp_free(self);
+}
+
+PyObject* fast_get_source(PyObject* self, void*) {
+  FastNode* f = (FastNode*)self;
+  Py_INCREF(f->source);
+  return f->source;
+}
+
+PyGetSetDef fast_getset[] = {
+    {"source", fast_get_source, nullptr, "what the node's fast path checks and does", nullptr},
+    {nullptr}};
+
+PyTypeObject FastNodeType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+std::vector<int64_t> ints(py::handle seq) {
+  std::vector<int64_t> out;
+  for (py::handle x : seq) out.push_back(x.cast<int64_t>());
+  return out;
+}
+
+// A check from its Python description: (kind, index, type, value, meta) where meta is
+// (dtype, sizes, strides, device) for a new external.
+Check make_check(py::tuple d) {
+  Check c;
+  std::string kind = d[0].cast<std::string>();
+  c.index = d[1].cast<Py_ssize_t>();
+  if (kind == "val") c.kind = Kind::Val;
+  else if (kind == "ext") c.kind = Kind::Ext;
+  else if (kind == "new") c.kind = Kind::New;
+  else if (kind == "same_new") c.kind = Kind::SameNew;
+  else if (kind == "rec") c.kind = Kind::Rec;
+  else if (kind == "const") c.kind = Kind::Const;
+  else if (kind == "is") c.kind = Kind::Is;
+  else if (kind == "seq") c.kind = Kind::Seq;
+  else throw std::invalid_argument("fast path: unknown check " + kind);
+  if (!d[2].is_none()) c.type = py::object(d[2]).release().ptr();
+  if (c.kind == Kind::Const || c.kind == Kind::Is)
+    c.value = py::object(d[3]).release().ptr();
+  if (c.kind == Kind::Seq)
+    for (py::handle item : d[3].cast<py::list>())
+      c.items.push_back(make_check(item.cast<py::tuple>()));
+  if (c.kind == Kind::New) {
+    py::tuple m = d[4].cast<py::tuple>();
+    c.dtype = m[0].cast<at::ScalarType>();
+    c.sizes = ints(m[1]);
+    c.strides = ints(m[2]);
+    c.device = m[3].cast<c10::Device>();
+  }
+  return c;
+}
+
+}  // namespace
+
+// make(node, plain, miss, empty, source, args, outs, tree, first, n_recs, n_new,
+//      default_dtype, view): a compiled fast path; ``view``: the op to call for a view op
+// (its results are the node's values), else None. ``args``: per argument (keyword name or None,
+// check description); ``outs``: per result leaf ("fresh", dtype, sizes, strides, device) or
+// ("alias", position or keyword) or ("none",); ``tree``: "none", "one", "tuple", "list".
+py::object make(py::object node, py::object plain, py::object miss, py::object empty,
+                py::object source, py::list args, py::list outs, std::string tree, bool first,
+                Py_ssize_t n_recs, Py_ssize_t n_new, py::object default_dtype,
+                py::object view) {
+  auto* checks = new std::vector<Arg>();
+  auto* results = new std::vector<Out>();
+  Py_ssize_t n_pos = 0, n_kw = 0;
+  try {
+    for (py::handle h : args) {
+      py::tuple a = h.cast<py::tuple>();
+      Arg arg;
+      if (!a[0].is_none()) {
+        arg.name = py::object(a[0]).release().ptr();
+        PyUnicode_InternInPlace(&arg.name);
+        n_kw++;
+      } else {
+        n_pos++;
+      }
+      arg.check = make_check(a[1].cast<py::tuple>());
+      checks->push_back(arg);
+    }
+    for (py::handle h : outs) {
+      py::tuple o = h.cast<py::tuple>();
+      std::string kind = o[0].cast<std::string>();
+      Out out;
+      if (kind == "fresh") {
+        out.kind = Res::Fresh;
+        out.options = at::TensorOptions()
+                          .dtype(o[1].cast<at::ScalarType>())
+                          .device(o[4].cast<c10::Device>());
+        out.sizes = ints(o[2]);
+        out.strides = ints(o[3]);
+      } else if (kind == "alias") {
+        if (py::isinstance<py::int_>(o[1])) {
+          out.kind = Res::Alias;
+          out.arg = o[1].cast<Py_ssize_t>();
+        } else {
+          out.kind = Res::AliasKw;
+          out.name = py::object(o[1]).release().ptr();
+        }
+      } else {
+        out.kind = Res::None;
+      }
+      results->push_back(out);
+    }
+  } catch (...) {
+    release_checks(checks);
+    delete checks;
+    delete results;
+    throw;
+  }
+  FastNode* f = PyObject_New(FastNode, &FastNodeType);
+  if (f == nullptr) throw py::error_already_set();
+  f->vectorcall = fast_vectorcall;
+  f->node = node.inc_ref().ptr();
+  f->plain = plain.inc_ref().ptr();
+  f->miss = miss.inc_ref().ptr();
+  f->empty = empty.inc_ref().ptr();
+  f->source = source.inc_ref().ptr();
+  f->view = view.is_none() ? nullptr : view.inc_ref().ptr();
+  f->args = checks;
+  f->outs = results;
+  f->n_args = n_pos;
+  f->n_kwargs = n_kw;
+  f->n_recs = n_recs;
+  f->n_new = n_new;
+  f->tree = tree == "none" ? 0 : tree == "one" ? 1 : tree == "tuple" ? 2 : 3;
+  f->first = first;
+  f->check_dtype = !default_dtype.is_none();
+  f->default_dtype = f->check_dtype ? default_dtype.cast<at::ScalarType>() : at::kFloat;
+  return py::reinterpret_steal<py::object>((PyObject*)f);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  FastNodeType.tp_name = "adaptive_eager.FastPath";
+  FastNodeType.tp_basicsize = sizeof(FastNode);
+  FastNodeType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL;
+  FastNodeType.tp_vectorcall_offset = offsetof(FastNode, vectorcall);
+  FastNodeType.tp_call = PyVectorcall_Call;
+  FastNodeType.tp_dealloc = fast_dealloc;
+  FastNodeType.tp_getset = fast_getset;
+  FastNodeType.tp_doc = "A trie node's hot path, compiled (tracer.native).";
+  if (PyType_Ready(&FastNodeType) < 0) throw py::error_already_set();
+  const char* names[] = {"outw", "exts", "ids", "extw", "floats", "stor", "hot",
+                         "start", "node", "expect", "hot_next", "ends_here", "finish"};
+  PyObject** slots[] = {&s.outw, &s.exts, &s.ids, &s.extw, &s.floats, &s.stor, &s.hot,
+                        &s.start, &s.node, &s.expect, &s.hot_next, &s.ends_here, &s.finish};
+  for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
+    *slots[i] = PyUnicode_InternFromString(names[i]);
+  m.def("make", &make);
+}
