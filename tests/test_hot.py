@@ -182,3 +182,49 @@ def test_a_hot_chain_peaks_at_eagers_memory(backend):
     # At most one buffer more: the placeholder of the output still live at the read
     # (``y``), which the launch writes while computing the ones it reads.
     assert hot <= eager + x.nbytes + 1024, (hot, eager)
+
+
+def test_host_scalars_run_at_once_and_keep_the_segment():
+    # Note [Host scalars]: an optimizer's 0-dim CPU step counts, bumped and read once per
+    # parameter, run on the host at once; the segment around them goes on (one launch a step)
+    params = [torch.randn(8) for _ in range(4)]
+    steps = [torch.tensor(0.0) for _ in params]
+
+    def step():
+        for p, s in zip(params, steps):
+            s += 1
+            p.mul_(1 - 0.01 / s.item())
+        return sum(p.sum() for p in params).item()
+
+    want_params = [p.clone() for p in params]
+    want_steps = [s.clone() for s in steps]
+    ref = []
+    for _ in range(6):
+        for p, s in zip(want_params, want_steps):
+            s += 1
+            p.mul_(1 - 0.01 / s.item())
+        ref.append(sum(p.sum() for p in want_params).item())
+    with ae.enabled(**CPU):
+        got = [step() for _ in range(3)]
+        d = Delta()
+        got += [step() for _ in range(3)]
+    assert got == ref and all(torch.equal(a, b) for a, b in zip(params, want_params))
+    assert d.ops_host == 3 * 4 * 2 and d.replays == 3  # one replay a step, reads included
+
+
+def test_a_host_scalar_sharing_memory_with_a_written_input_waits_for_it():
+    # A 0-dim tensor over the memory of a tensor the segment writes, through another storage
+    # (two views of one numpy array): reading it must launch the write first.
+    np = pytest.importorskip("numpy")
+    arr = np.ones(4, dtype=np.float32)
+    x = torch.from_numpy(arr)
+    first = torch.from_numpy(arr[:1].reshape(()))  # shares x's memory, not its storage
+
+    def step():
+        x.mul_(2)
+        y = (x + 1).sum()
+        return first.item(), y.item()
+
+    with ae.enabled(**CPU):
+        got = [step() for _ in range(5)]
+    assert got == [(2.0 ** k, 4 * 2.0 ** k + 4) for k in range(1, 6)]

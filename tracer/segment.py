@@ -29,6 +29,17 @@ _wref = weakref.ref
 # keeping it alive.
 _expired = torch.UntypedStorage._expired
 _free_weak = torch.UntypedStorage._free_weak_ref
+_use_count = torch._C._storage_Use_Count
+
+
+def _alone(t) -> bool:
+    """Does nothing but ``t`` hold its memory? Then no other live tensor (an external of the
+    segment among them) can alias it. Its storage is held by ``t`` and by the Python storage
+    object asked here, and by every other tensor or view on it; memory PyTorch allocated
+    (``resizable``) belongs to that one storage, where two storages can share borrowed memory
+    (``from_numpy`` twice): those take the full check."""
+    storage = t.untyped_storage()
+    return storage.resizable() and _use_count(storage._cdata) == 2
 
 
 def _release(stor) -> None:
@@ -156,6 +167,8 @@ class Segment:
         src = self.source(t)
         if type(src) is Val:
             return True
+        if src is None and _alone(t):  # an optimizer's step count, every parameter
+            return False
         written = self.mutated_externals()
         if type(src) is Ext:
             return src.k in written
@@ -167,7 +180,7 @@ class Segment:
         """Is ``t`` (or its storage) an input of this segment, so writing it must wait?"""
         if self.source(t) is not None:
             return True
-        return self._aliases(t, None)
+        return not _alone(t) and self._aliases(t, None)
 
     def _aliases(self, t, ks) -> bool:
         """Does ``t`` share storage with an external in ``ks`` (None: any external)?
