@@ -43,7 +43,7 @@ def run(hot_path, monkeypatch, steps=8):
         for i in range(steps):
             step(i)
         s = ae.stats()
-        kinds = {}
+        kinds = {"entry": type(ae._engine().mode().__torch_dispatch__).__name__}
         stack = [ae._engine().mode().root]
         while stack:
             n = stack.pop()
@@ -66,6 +66,7 @@ def test_compiled_and_generated_fast_paths_agree(monkeypatch):
         step(i)
     got_py, w_py, s_py, kinds_py = run("python", monkeypatch)
     got_c, w_c, s_c, kinds_c = run("cpp", monkeypatch)
+    assert kinds_py.pop("entry") == "method" and kinds_c.pop("entry") == "Dispatch"
     assert set(kinds_py) == {"function"} and kinds_c["FastPath"] > kinds_c["function"]
     for got in (got_py, got_c):
         assert [g[0] for g in got] == [x[0] for x in want]

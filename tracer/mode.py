@@ -80,6 +80,14 @@ class AdaptiveEagerMode(TorchDispatchMode):
         self.debug = self.counters.debug = config.debug
         self.devices = frozenset(config.devices)
         self.host_scalars = "cpu" in self.devices
+        # The compiled hot path enters through a compiled ``__torch_dispatch__`` (the same
+        # steps as ``_dispatch``, below) bound to this mode: no Python frame per op.
+        if config.hot_path == "cpp":
+            from .native import dispatcher
+
+            self.__torch_dispatch__ = dispatcher(self, _EMPTY)
+        else:
+            self.__dict__.pop("__torch_dispatch__", None)
 
     # ------------------------------------------------------------------ slow path
 

@@ -27,7 +27,7 @@ from adaptive_eager.scheduler.program import Ext, Rec, Val, _minimal
 
 from . import signature
 
-__all__ = ["load", "make_fast", "why_not"]
+__all__ = ["dispatcher", "load", "make_fast", "why_not"]
 
 _CSRC = Path(__file__).with_name("csrc")
 _module = None
@@ -122,4 +122,11 @@ def make_fast(node, n_ext_before: int):
     source = signature.make_fast(node, n_ext_before).source  # what it stands for, readable
     return load().make(node, signature.PLAIN, signature.MISS, signature.EMPTY, source, args,
                        outs, spec.tree, node.depth == 1, spec.n_floats, n_new,
-                       spec.default_dtype, spec.func._op if spec.view else None)
+                       spec.default_dtype, spec.func._op if spec.view else None, spec.func)
+
+
+def dispatcher(mode, empty: dict):
+    """``mode``'s ``__torch_dispatch__`` in C, bound to it (tracer.mode._dispatch: the op the
+    segment expects next goes to its node's fast path, compiled or not, with ``empty`` for
+    no keyword arguments; anything else, or a miss, to ``mode._slow``)."""
+    return load().dispatcher(mode, signature.MISS, empty)

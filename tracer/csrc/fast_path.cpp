@@ -45,7 +45,7 @@ struct Out {
 
 struct Strings {
   PyObject *outw, *exts, *ids, *extw, *floats, *stor, *hot, *start, *node, *expect, *hot_next,
-      *ends_here, *finish;
+      *ends_here, *finish, *seg, *fast, *spec, *func;
 };
 Strings s;
 
@@ -58,6 +58,7 @@ struct FastNode {
   PyObject* empty;    // the EMPTY tuple of floats
   PyObject* source;   // the Python function it stands for (kept for ``fast.source``)
   PyObject* view;     // a view op: the op to call (its results are the node's), else nullptr
+  PyObject* func;     // the OpOverload it serves (borrowed from the node's spec, which it holds)
   std::vector<Arg>* args;
   std::vector<Out>* outs;
   Py_ssize_t n_args, n_kwargs, n_recs, n_new;
@@ -430,15 +431,136 @@ Check make_check(py::tuple d) {
 
 }  // namespace
 
+// The mode's ``__torch_dispatch__`` (tracer.mode._dispatch, in C): the op the segment expects
+// next goes to its node's fast path; anything else, or a miss, to ``mode._slow``.
+struct Dispatch {
+  PyObject_HEAD
+  vectorcallfunc vectorcall;
+  PyObject* mode;
+  PyObject* slow;       // mode._slow
+  PyObject* miss;
+  PyObject* empty;      // the shared empty kwargs the fast paths get
+};
+
+PyTypeObject DispatchType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+PyObject* dispatch_vectorcall(PyObject* self, PyObject* const* argv, size_t nargsf,
+                              PyObject* kwnames) {
+  Dispatch* d = (Dispatch*)self;
+  Py_ssize_t n = PyVectorcall_NARGS(nargsf);
+  if (kwnames != nullptr || n < 3 || n > 4) {
+    PyErr_SetString(PyExc_TypeError, "__torch_dispatch__(func, types, args=(), kwargs=None)");
+    return nullptr;
+  }
+  PyObject *func = argv[0], *args = argv[2];
+  PyObject* kwargs = n == 4 ? argv[3] : Py_None;
+  bool no_kwargs = kwargs == Py_None || (PyDict_Check(kwargs) && PyDict_GET_SIZE(kwargs) == 0);
+  PyObject* S = PyObject_GetAttr(d->mode, s.seg);
+  if (S == nullptr) return nullptr;
+  PyObject* e = PyObject_GetAttr(S, s.expect);
+  PyObject* r = nullptr;
+  if (e != nullptr && e != Py_None) {
+    PyObject* fast = PyObject_GetAttr(e, s.fast);
+    if (fast != nullptr && Py_TYPE(fast) == &FastNodeType) {
+      FastNode* f = (FastNode*)fast;
+      if (f->func == func) r = run(f, args, no_kwargs ? nullptr : kwargs, S);
+    } else if (fast != nullptr) {
+      PyObject* spec = PyObject_GetAttr(e, s.spec);
+      PyObject* want = spec ? PyObject_GetAttr(spec, s.func) : nullptr;
+      Py_XDECREF(spec);
+      if (want == nullptr) {  // the error propagates
+        Py_DECREF(fast);
+        fast = nullptr;
+      } else {
+        if (want == func)
+          r = PyObject_CallFunctionObjArgs(fast, args, no_kwargs ? d->empty : kwargs, S,
+                                           nullptr);
+        Py_DECREF(want);
+      }
+    }
+    if (fast == nullptr) {
+      Py_DECREF(S);
+      Py_DECREF(e);
+      return nullptr;
+    }
+    Py_DECREF(fast);
+  }
+  Py_XDECREF(e);
+  Py_DECREF(S);
+  if (e == nullptr) return nullptr;
+  if (r != nullptr && r != d->miss) return r;
+  if (r == nullptr && PyErr_Occurred()) return nullptr;
+  Py_XDECREF(r);
+  PyObject* kw = no_kwargs ? PyDict_New() : kwargs;  // ``kwargs or {}``
+  if (kw == nullptr) return nullptr;
+  PyObject* out = PyObject_CallFunctionObjArgs(d->slow, func, args, kw, nullptr);
+  if (no_kwargs) Py_DECREF(kw);
+  return out;
+}
+
+void dispatch_dealloc(PyObject* self) {
+  Dispatch* d = (Dispatch*)self;
+  PyObject_GC_UnTrack(self);
+  Py_XDECREF(d->mode);
+  Py_XDECREF(d->slow);
+  Py_XDECREF(d->miss);
+  Py_XDECREF(d->empty);
+  Py_TYPE(self)->tp_free(self);
+}
+
+int dispatch_traverse(PyObject* self, visitproc visit, void* arg) {
+  Dispatch* d = (Dispatch*)self;
+  Py_VISIT(d->mode);
+  Py_VISIT(d->slow);
+  return 0;
+}
+
+int dispatch_clear(PyObject* self) {
+  Dispatch* d = (Dispatch*)self;
+  Py_CLEAR(d->mode);
+  Py_CLEAR(d->slow);
+  return 0;
+}
+
+// PyTorch calls a mode's ``__torch_dispatch__`` only if it is bound to the mode (its
+// ``__self__`` is the mode): a plain method, not a classmethod.
+PyObject* dispatch_get_self(PyObject* self, void*) {
+  PyObject* mode = ((Dispatch*)self)->mode;
+  if (mode == nullptr) Py_RETURN_NONE;
+  Py_INCREF(mode);
+  return mode;
+}
+
+PyGetSetDef dispatch_getset[] = {{"__self__", dispatch_get_self, nullptr, "the mode", nullptr},
+                                 {nullptr}};
+
+// dispatcher(mode, miss, empty): the mode's ``__torch_dispatch__``, bound to it.
+py::object dispatcher(py::object mode, py::object miss, py::object empty) {
+  Dispatch* d = PyObject_GC_New(Dispatch, &DispatchType);
+  if (d == nullptr) throw py::error_already_set();
+  d->vectorcall = dispatch_vectorcall;
+  d->mode = mode.inc_ref().ptr();
+  d->slow = PyObject_GetAttrString(mode.ptr(), "_slow");
+  d->miss = miss.inc_ref().ptr();
+  d->empty = empty.inc_ref().ptr();
+  if (d->slow == nullptr) {
+    Py_DECREF(d);
+    throw py::error_already_set();
+  }
+  PyObject_GC_Track((PyObject*)d);
+  return py::reinterpret_steal<py::object>((PyObject*)d);
+}
+
 // make(node, plain, miss, empty, source, args, outs, tree, first, n_recs, n_new,
-//      default_dtype, view): a compiled fast path; ``view``: the op to call for a view op
-// (its results are the node's values), else None. ``args``: per argument (keyword name or None,
-// check description); ``outs``: per result leaf ("fresh", dtype, sizes, strides, device) or
-// ("alias", position or keyword) or ("none",); ``tree``: "none", "one", "tuple", "list".
+//      default_dtype, view, func): a compiled fast path. ``args``: per argument (keyword
+// name or None, check description); ``outs``: per result leaf ("fresh", dtype, sizes,
+// strides, device) or ("alias", position or keyword) or ("none",); ``tree``: "none", "one",
+// "tuple", "list"; ``view``: the op to call for a view op (its results are the node's
+// values), else None; ``func``: the node's OpOverload.
 py::object make(py::object node, py::object plain, py::object miss, py::object empty,
                 py::object source, py::list args, py::list outs, std::string tree, bool first,
                 Py_ssize_t n_recs, Py_ssize_t n_new, py::object default_dtype,
-                py::object view) {
+                py::object view, py::object func) {
   auto* checks = new std::vector<Arg>();
   auto* results = new std::vector<Out>();
   Py_ssize_t n_pos = 0, n_kw = 0;
@@ -495,6 +617,7 @@ py::object make(py::object node, py::object plain, py::object miss, py::object e
   f->empty = empty.inc_ref().ptr();
   f->source = source.inc_ref().ptr();
   f->view = view.is_none() ? nullptr : view.inc_ref().ptr();
+  f->func = func.ptr();  // the node (held above) holds its spec, which holds the op
   f->args = checks;
   f->outs = results;
   f->n_args = n_pos;
@@ -519,10 +642,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   FastNodeType.tp_doc = "A trie node's hot path, compiled (tracer.native).";
   if (PyType_Ready(&FastNodeType) < 0) throw py::error_already_set();
   const char* names[] = {"outw", "exts", "ids", "extw", "floats", "stor", "hot",
-                         "start", "node", "expect", "hot_next", "ends_here", "finish"};
+                         "start", "node", "expect", "hot_next", "ends_here", "finish",
+                         "seg", "fast", "spec", "func"};
   PyObject** slots[] = {&s.outw, &s.exts, &s.ids, &s.extw, &s.floats, &s.stor, &s.hot,
-                        &s.start, &s.node, &s.expect, &s.hot_next, &s.ends_here, &s.finish};
+                        &s.start, &s.node, &s.expect, &s.hot_next, &s.ends_here, &s.finish,
+                        &s.seg, &s.fast, &s.spec, &s.func};
   for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
     *slots[i] = PyUnicode_InternFromString(names[i]);
+  DispatchType.tp_name = "adaptive_eager.Dispatch";
+  DispatchType.tp_basicsize = sizeof(Dispatch);
+  DispatchType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_HAVE_GC;
+  DispatchType.tp_vectorcall_offset = offsetof(Dispatch, vectorcall);
+  DispatchType.tp_call = PyVectorcall_Call;
+  DispatchType.tp_dealloc = dispatch_dealloc;
+  DispatchType.tp_traverse = dispatch_traverse;
+  DispatchType.tp_clear = dispatch_clear;
+  DispatchType.tp_getset = dispatch_getset;
+  DispatchType.tp_doc = "The engine's __torch_dispatch__ for one mode (tracer.native).";
+  if (PyType_Ready(&DispatchType) < 0) throw py::error_already_set();
   m.def("make", &make);
+  m.def("dispatcher", &dispatcher);
 }
