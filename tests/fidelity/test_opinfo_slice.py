@@ -233,14 +233,16 @@ def test_an_op_that_took_the_sweep_down_is_checked_on_the_device(monkeypatch):
     ("nn.functional.hinge_embedding_loss", torch.bfloat16, 1),
     ("nn.functional.hinge_embedding_loss", torch.float16, 6),
     ("special.hermite_polynomial_he", torch.float32, 4),
+    ("masked.logsumexp", torch.bfloat16, 43),
+    ("masked.logsumexp", torch.float16, 78),
 ])
 def test_inductor_findings(name, dtype, index):
     # Samples the sweep found beyond the OpInfo's tolerances under the fused backend: in 16
     # bits linear interpolation (a bf16 ulp), soft_margin_loss (which eager overflows to inf
     # in fp16), bce_with_logits (whose C++ body functionalization decomposed), a transposed
     # convolution, batch_norm (whose running statistics it also writes), lerp, index_reduce's
-    # mean, grid_sampler_2d (grid_sample's bilinear weights) and logit stay eager's kernels
-    # (scheduler.precision); fractional_max_pool3d, whose windows Inductor placed
+    # mean, grid_sampler_2d (grid_sample's bilinear weights), logit and logsumexp stay eager's
+    # kernels (scheduler.precision); fractional_max_pool3d, whose windows Inductor placed
     # otherwise in every dtype, and hermite_polynomial_he (whose eager kernel is built with
     # fused multiply-adds) are eager's kernels in any graph; hinge_embedding_loss's margin,
     # which eager stores in 16 bits before subtracting, is rounded as eager rounds it
