@@ -435,12 +435,11 @@ def _mark_hot(mode, end: Node) -> None:
     compiled = mode.config.hot_path == "cpp"
     for n in nodes:
         if n.fast is None:
-            n.fast = native.make_fast(n, n.parent.n_ext) if compiled else None
+            n.fast, why = native.make_fast(n, n.parent.n_ext) if compiled else (None, "")
             if n.fast is None:
                 n.fast = make_fast(n, n.parent.n_ext)
                 if compiled:
-                    mode.counters.fallback(f"hot path in Python ({native.why_not(n)}) for "
-                                           f"{n.spec.func}")
+                    mode.counters.fallback(f"hot path in Python ({why}) for {n.spec.func}")
     for n in nodes:
         n.hot_ends += 1
         n.parent.hot_next = n

@@ -1,8 +1,8 @@
 """Compiled hot paths: a trie node's fast path as one call into C++ (``csrc/fast_path.cpp``).
 
 ``make_fast(node, n_ext_before)`` returns the compiled equivalent of what
-tracer.signature.make_fast generates, or None where the node needs what only the generated
-Python does, which then serves it (each such node counted once as the fallback ``hot path in
+tracer.signature.make_fast generates, or None and the reason where the node needs what only
+the generated Python does, which then serves it (each such node counted once as the fallback ``hot path in
 Python (<why>)``). Compiled: nodes whose arguments are tensors (segment values, externals
 seen before, new externals of fixed metadata), recorded floats and ints, constants, and
 lists or tuples of these; whose results are fresh tensors of minimal layout, arguments
@@ -27,7 +27,7 @@ from adaptive_eager.scheduler.program import Ext, Rec, Val, _minimal
 
 from . import signature
 
-__all__ = ["dispatcher", "load", "make_fast", "why_not"]
+__all__ = ["dispatcher", "load", "make_fast"]
 
 _CSRC = Path(__file__).with_name("csrc")
 _module = None
@@ -76,15 +76,6 @@ class _Python(Exception):
     """The node needs the generated Python fast path (the reason)."""
 
 
-def why_not(node) -> str:
-    """Why ``node`` cannot have a compiled fast path ("" when it can)."""
-    try:
-        _describe(node, node.parent.n_ext)
-    except _Python as e:
-        return e.args[0]
-    return ""
-
-
 def _describe(node, n_ext_before: int):
     spec = node.spec
     if spec.ext_view:
@@ -112,17 +103,17 @@ def _describe(node, n_ext_before: int):
     return args, outs, len(seen)
 
 
-def make_fast(node, n_ext_before: int):
-    """The node's compiled fast path, or None (the generated Python one serves it)."""
+def make_fast(node, n_ext_before: int) -> tuple:
+    """(the node's compiled fast path, "") or (None, why the generated Python one serves it)."""
     try:
         args, outs, n_new = _describe(node, n_ext_before)
-    except _Python:
-        return None
+    except _Python as e:
+        return None, e.args[0]
     spec = node.spec
-    source = signature.make_fast(node, n_ext_before).source  # what it stands for, readable
-    return load().make(node, signature.PLAIN, signature.MISS, signature.EMPTY, source, args,
-                       outs, spec.tree, node.depth == 1, spec.n_floats, n_new,
-                       spec.default_dtype, spec.func._op if spec.view else None, spec.func)
+    fast = load().make(node, signature.PLAIN, signature.MISS, signature.EMPTY, args, outs,
+                       spec.tree, node.depth == 1, spec.n_floats, n_new, spec.default_dtype,
+                       spec.func._op if spec.view else None, spec.func)
+    return fast, ""
 
 
 def dispatcher(mode, empty: dict):

@@ -56,7 +56,6 @@ struct FastNode {
   PyObject* plain;    // the set of plain tensor types
   PyObject* miss;     // the MISS sentinel
   PyObject* empty;    // the EMPTY tuple of floats
-  PyObject* source;   // the Python function it stands for (kept for ``fast.source``)
   PyObject* view;     // a view op: the op to call (its results are the node's), else nullptr
   PyObject* func;     // the OpOverload it serves (borrowed from the node's spec, which it holds)
   std::vector<Arg>* args;
@@ -370,7 +369,6 @@ void fast_dealloc(PyObject* self) {
   Py_XDECREF(f->plain);
   Py_XDECREF(f->miss);
   Py_XDECREF(f->empty);
-  Py_XDECREF(f->source);
   Py_XDECREF(f->view);
   if (f->args) { release_checks(f->args); delete f->args; }
   if (f->outs) {
@@ -379,16 +377,6 @@ void fast_dealloc(PyObject* self) {
   }
   Py_TYPE(self)->tp_free(self);
 }
-
-PyObject* fast_get_source(PyObject* self, void*) {
-  FastNode* f = (FastNode*)self;
-  Py_INCREF(f->source);
-  return f->source;
-}
-
-PyGetSetDef fast_getset[] = {
-    {"source", fast_get_source, nullptr, "what the node's fast path checks and does", nullptr},
-    {nullptr}};
 
 PyTypeObject FastNodeType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
@@ -551,14 +539,14 @@ py::object dispatcher(py::object mode, py::object miss, py::object empty) {
   return py::reinterpret_steal<py::object>((PyObject*)d);
 }
 
-// make(node, plain, miss, empty, source, args, outs, tree, first, n_recs, n_new,
+// make(node, plain, miss, empty, args, outs, tree, first, n_recs, n_new,
 //      default_dtype, view, func): a compiled fast path. ``args``: per argument (keyword
 // name or None, check description); ``outs``: per result leaf ("fresh", dtype, sizes,
 // strides, device) or ("alias", position or keyword) or ("none",); ``tree``: "none", "one",
 // "tuple", "list"; ``view``: the op to call for a view op (its results are the node's
 // values), else None; ``func``: the node's OpOverload.
 py::object make(py::object node, py::object plain, py::object miss, py::object empty,
-                py::object source, py::list args, py::list outs, std::string tree, bool first,
+                py::list args, py::list outs, std::string tree, bool first,
                 Py_ssize_t n_recs, Py_ssize_t n_new, py::object default_dtype,
                 py::object view, py::object func) {
   auto* checks = new std::vector<Arg>();
@@ -615,7 +603,6 @@ py::object make(py::object node, py::object plain, py::object miss, py::object e
   f->plain = plain.inc_ref().ptr();
   f->miss = miss.inc_ref().ptr();
   f->empty = empty.inc_ref().ptr();
-  f->source = source.inc_ref().ptr();
   f->view = view.is_none() ? nullptr : view.inc_ref().ptr();
   f->func = func.ptr();  // the node (held above) holds its spec, which holds the op
   f->args = checks;
@@ -638,7 +625,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   FastNodeType.tp_vectorcall_offset = offsetof(FastNode, vectorcall);
   FastNodeType.tp_call = PyVectorcall_Call;
   FastNodeType.tp_dealloc = fast_dealloc;
-  FastNodeType.tp_getset = fast_getset;
   FastNodeType.tp_doc = "A trie node's hot path, compiled (tracer.native).";
   if (PyType_Ready(&FastNodeType) < 0) throw py::error_already_set();
   const char* names[] = {"outw", "exts", "ids", "extw", "floats", "stor", "hot",
