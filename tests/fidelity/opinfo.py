@@ -30,7 +30,7 @@ os.environ["NEURON_ADAPTIVE_EAGER_RETIRE_RATIO"] = "0"
 
 import torch  # noqa: E402
 
-from . import harness  # noqa: E402
+from . import harness, summary  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "RESULTS.md")
@@ -211,12 +211,14 @@ def plan(ops, devices, backends, dtypes, kinds):
                             yield op, device, backend, name, kind
 
 
-def _key(op_name, device, backend, dtype, kind):
-    return f"{device}|{backend}|{dtype}|{kind}|{op_name}"
+_key = summary.key
 
 
-def sweep(ops, devices, backends, dtypes, kinds, limit, log_path, resume, progress=True):
+def sweep(ops, devices, backends, dtypes, kinds, limit, log_path, resume, progress=True,
+          summary_path=summary.SUMMARY):
     done, started = set(), {}
+    if resume and summary_path:
+        done |= set(summary.read(summary_path))
     if resume and os.path.exists(log_path):
         with open(log_path) as f:
             for line in f:
@@ -306,42 +308,22 @@ def finished(log_paths: str) -> set:
     return done
 
 
-def summarize(records):
-    """Per (device, backend, dtype, kind): counts, fallback reasons, failures per op."""
-    table = collections.defaultdict(lambda: dict(run=0, identical=0, fallback=0, host=0, no_op=0,
-                                                 dispatch_mode=0, eager_nondeterministic=0,
-                                                 device_bug=0,
-                                                 eager_error=0, skipped=0, failed=0,
-                                                 device_diff=0,
-                                                 reasons=collections.Counter(),
-                                                 failures=collections.defaultdict(list),
-                                                 device_ops=collections.Counter(),
-                                                 noted=collections.defaultdict(
-                                                     collections.Counter)))
-    for r in records:
-        row = table[(r["device"], r["backend"], r["dtype"], r["kind"])]
-        row["run"] += 1
-        status = r["status"]
-        if status in ("mismatch", "crash", "silent") and r.get("device_diff"):
-            status = "device-bug"  # as run_op judges it (logs written before it did)
-        if status in ("mismatch", "crash", "silent"):
-            row["failed"] += 1
-            row["failures"][r["op"]].append(f"{status}: {r['detail']}")
-        else:
-            row[status.replace("-", "_")] += 1
-        if status in ("dispatch-mode", "eager-nondeterministic"):
-            row["noted"][status][r["op"]] += 1
-        for reason in r["reasons"]:
-            row["reasons"][reason] += 1
-        if r.get("device_diff") or status == "device-bug":
-            row["device_diff"] += 1
-            row["device_ops"][r["op"]] += 1
-    return table
+def logged(log_paths: str | None, summary_path: str | None) -> list[dict]:
+    """The summary lines of the op runs that the summary file and the logs hold (a log's run
+    over the summary's: Note [Sweep summary])."""
+    lines = summary.read(summary_path) if summary_path else {}
+    if not log_paths:
+        return list(lines.values())
+    records = load(log_paths)
+    empty = finished(log_paths) - {_key(r["op"], r["device"], r["backend"], r["dtype"],
+                                        r["kind"]) for r in records}
+    return list(summary.merged(lines, empty, records).values())
 
 
-def write_results(records, command: str, path=RESULTS, elapsed: float | None = None,
+def write_results(lines, command: str, path=RESULTS, elapsed: float | None = None,
                   partial: int = 0):
-    table = summarize(records)
+    """RESULTS.md from summary lines (summary.py)."""
+    table = summary.table(lines)
     what = "Written from the sweep's logs by" if "--report" in command else "Command"
     lines = [
         "# OpInfo under the engine",
@@ -473,11 +455,17 @@ def main(argv=None):
     p.add_argument("--dtypes", default="float32,bfloat16,float16")
     p.add_argument("--kinds", default=",".join(KINDS))
     p.add_argument("--samples", type=int, default=None, help="samples per op (default: all)")
-    p.add_argument("--log", default=os.path.join(HERE, "sweep.jsonl"),
-                   help="the JSON-lines log; with --report, a comma list of logs")
-    p.add_argument("--resume", action="store_true", help="skip what --log already holds")
+    p.add_argument("--log", default=None,
+                   help="the JSON-lines log (default tests/fidelity/sweep.jsonl); with --report "
+                        "and --compact, a comma list of logs (default: none)")
+    p.add_argument("--summary", default=summary.SUMMARY,
+                   help="the sweep's durable record, one line per op run (summary.py)")
+    p.add_argument("--resume", action="store_true",
+                   help="skip what --log and --summary already hold")
     p.add_argument("--report", action="store_true",
-                   help="run nothing: write the summary of what --log holds so far")
+                   help="run nothing: write RESULTS.md from what --summary and --log hold")
+    p.add_argument("--compact", action="store_true",
+                   help="run nothing: fold the op runs of --log into --summary")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--device-check", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--results", default=None,
@@ -501,17 +489,28 @@ def main(argv=None):
         bad = [v for v in lists[name] if v not in accepted]
         if bad:
             p.error(f"--{name}: {bad} not accepted; accepted: {', '.join(accepted)}")
+    if a.log is None and not (a.report or a.compact):
+        a.log = os.path.join(HERE, "sweep.jsonl")
     start = time.time()
     if a.device_check:  # one op, device, dtype and kind (_device_check)
         op = next(op for op in ops if op_id(op) == a.ops)
         print(json.dumps(device_check(op, lists["devices"][0], lists["dtypes"][0],
                                       lists["kinds"][0], a.samples)))
         return 0
-    if a.report:
-        done = finished(a.log)
+    if a.report or a.compact:
+        for path in (a.log or "").split(","):
+            if path and not os.path.exists(path):
+                p.error(f"--log: {path} does not exist")
+        lines = logged(a.log, a.summary)
+        if a.compact:
+            summary.write({_key(x["op"], x["device"], x["backend"], x["dtype"], x["kind"]): x
+                           for x in lines}, a.summary)
+            print(f"wrote {a.summary}: {len(lines)} op runs")
+            return 0
+        done = {_key(x["op"], x["device"], x["backend"], x["dtype"], x["kind"]) for x in lines}
         missing = sum(_key(op_id(op), *rest) not in done for op, *rest in plan(
             ops, lists["devices"], lists["backends"], lists["dtypes"], lists["kinds"]))
-        write_results(load(a.log), "python -m tests.fidelity.opinfo " + " ".join(
+        write_results(lines, "python -m tests.fidelity.opinfo " + " ".join(
             argv if argv is not None else sys.argv[1:]), a.results or RESULTS, partial=missing)
         print(f"wrote {a.results or RESULTS}" + (f" ({missing} op runs missing)" if missing
                                                  else ""))
@@ -521,7 +520,7 @@ def main(argv=None):
         signal.signal(signal.SIGINT, _raise_stop)
         try:
             sweep(ops, lists["devices"], lists["backends"], lists["dtypes"], lists["kinds"],
-                  a.samples, a.log, a.resume)
+                  a.samples, a.log, a.resume, summary_path=a.summary)
         except _Stop:
             return _STOPPED
         return 0
@@ -533,7 +532,10 @@ def main(argv=None):
     resume = a.resume
     for attempt in range(200):
         cmd = [sys.executable, "-m", "tests.fidelity.opinfo", *argv_child, "--child"]
-        rc = _call_child(cmd + (["--resume"] if resume else []))
+        # a sweep that was not resumed runs what the summary holds again; a child resuming
+        # after its predecessor died skips only what this sweep's log holds
+        rc = _call_child(cmd + (["--resume"] if resume else [])
+                         + ([] if a.resume else ["--summary", ""]))
         if rc == 0:
             break
         if rc == _STOPPED:
@@ -544,8 +546,9 @@ def main(argv=None):
         resume = True
     records = load(a.log)
     out = a.results or (RESULTS if a.full else None)
-    if out:
-        write_results(records, "python -m tests.fidelity.opinfo " + " ".join(
+    if out:  # --full reports the summary's op runs too
+        write_results(logged(a.log, a.summary if a.full else None),
+                      "python -m tests.fidelity.opinfo " + " ".join(
             argv if argv is not None else sys.argv[1:]), out, time.time() - start)
         print(f"wrote {out}")
     failed = [r for r in records if r["status"] in ("mismatch", "crash", "silent")]

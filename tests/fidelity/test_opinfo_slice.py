@@ -269,3 +269,37 @@ def test_inductor_gradient_findings(name, dtype, index):
     case = harness.Case(op, dtype, "cpu", [sample], grad=True)
     (outcome,) = harness.run_case(case, "inductor")
     assert outcome.status == "identical", (outcome.status, outcome.detail)
+
+
+def test_summary_reports_what_the_logs_report(tmp_path):
+    # Note [Sweep summary]: RESULTS.md written from the compacted summary is the one written
+    # from the logs; a log's run of an op replaces the summary's; --resume skips both
+    key = dict(device="neuron", backend="exact", dtype="float32", kind="grad")
+    rec = dict(key, reasons=[], detail="", device_diff=None)
+    lines = [dict(key, begin=True, op="a"),
+             dict(rec, op="a", sample=0, status="identical"),
+             dict(rec, op="a", sample=1, status="fallback", reasons=["device copy: x"]),
+             dict(rec, op="a", sample=2, status="mismatch", detail="run 3: not close"),
+             dict(rec, op="a", sample=3, status="mismatch", detail="z", device_diff="strides"),
+             dict(rec, op="a", sample=4, status="dispatch-mode"),
+             dict(key, end=True, op="a"),
+             dict(key, begin=True, op="empty"), dict(key, end=True, op="empty")]
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    summary = tmp_path / "summary.jsonl"
+    from_log, from_summary = tmp_path / "a.md", tmp_path / "b.md"
+    opinfo.main(["--report", "--log", str(log), "--summary", "", "--results", str(from_log)])
+    opinfo.main(["--compact", "--log", str(log), "--summary", str(summary)])
+    opinfo.main(["--report", "--summary", str(summary), "--results", str(from_summary)])
+    body = lambda p: p.read_text().split("\n", 6)[6]  # noqa: E731 -- past the command line
+    assert body(from_log) == body(from_summary)
+    text = body(from_summary)
+    assert "| neuron | exact | float32 | grad | 5 | 1 | 1 | 0 | 0 | 1 | 0 | 0 | 0 | 1 |" in text
+    assert "device copy: x (1)" in text and "`a` (1): mismatch: run 3: not close" in text
+    # a newer run of `a` in a log replaces the summary's
+    log.write_text("".join(json.dumps(x) + "\n" for x in lines[:2] + [lines[6]]))
+    opinfo.main(["--report", "--log", str(log), "--summary", str(summary),
+                 "--results", str(from_summary)])
+    assert "| neuron | exact | float32 | grad | 1 | 1 | 0 |" in from_summary.read_text()
+    done = opinfo.summary.read(str(summary))
+    assert set(done) == {opinfo._key(op, *key.values()) for op in ("a", "empty")}
