@@ -14,7 +14,9 @@ binary_cross_entropy_with_logits by a few fp16 ulps, a transposed convolution in
 0.05, logsumexp (eager's kernel keeps its intermediates in float32: a bf16 ulp apart),
 rsqrt (eager's fp16 kernel on small tensors is not correctly rounded, Inductor's is: a ulp
 apart in a quarter of the elements of a 20-element tensor, none of a 4096-element one;
-acos's and asin's gradients), and the matrix products, which Inductor turns into a
+acos's and asin's gradients), ldexp (eager rounds ``2 ** other`` to 16 bits before it
+multiplies, Inductor multiplies in float32: a 16-bit ulp apart, more in its gradients), and
+the matrix products, which Inductor turns into a
 16-bit multiply and a sum when a dimension is small, where eager accumulates in float32 and
 rounds once.
 
@@ -117,7 +119,7 @@ _OPS_16BIT = (
     aten._upsample_nearest_exact2d_backward.default,
     aten._upsample_nearest_exact3d_backward.default, aten.lerp.Scalar, aten.lerp.Tensor,
     aten.index_reduce.default, aten.grid_sampler_2d.default, aten.logit.default,
-    aten.logsumexp.default, aten.rsqrt.default,
+    aten.logsumexp.default, aten.rsqrt.default, aten.ldexp.Tensor,
 )
 # In graphs holding a 16-bit value: op -> what the trace calls for it (eager's kernel)
 EAGER_16BIT = {op: _eager_kernel(op) for op in _OPS_16BIT}

@@ -257,11 +257,15 @@ def test_inductor_findings(name, dtype, index):
 @pytest.mark.parametrize("name,dtype,index", [
     ("acos", torch.float16, 0),
     ("asin", torch.float16, 0),
+    ("ldexp", torch.bfloat16, 6),
+    ("ldexp", torch.float16, 4),
 ])
 def test_inductor_gradient_findings(name, dtype, index):
     # Gradients the sweep found beyond the OpInfo's tolerances under the fused backend:
     # acos's and asin's backward take rsqrt, whose eager fp16 kernel on small tensors rounds
-    # otherwise than Inductor's: 16-bit rsqrt stays eager's kernel (scheduler.precision)
+    # otherwise than Inductor's: 16-bit rsqrt stays eager's kernel (scheduler.precision);
+    # ldexp, whose eager kernel rounds 2**other to 16 bits before multiplying where Inductor
+    # multiplies in float32 (a 16-bit ulp in the forward, beyond tolerance in the gradients)
     from . import harness
 
     op = next(op for op in opinfo.op_db() if opinfo.op_id(op) == name)
