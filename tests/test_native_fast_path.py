@@ -133,3 +133,69 @@ def test_without_a_compiler_the_error_names_the_setting(monkeypatch):
                         who="adaptive_eager", what="the compiled hot path",
                         instead="set NEURON_ADAPTIVE_EAGER_HOT_PATH=python")
     assert "\n" not in str(e.value) and "/nonexistent/c++" in str(e.value)
+
+
+def adam_program():
+    """A single-tensor Adam step (its step counts are host scalars, Note [Host scalars]) and
+    a 0-dim segment value written in place (which must not be run on the host)."""
+    torch.manual_seed(2)
+    ps = [torch.randn(4, requires_grad=True) for _ in range(3)]
+    opt = torch.optim.Adam(ps, lr=0.1, foreach=False)
+    out = []
+
+    def step(i):
+        loss = sum((p * p).sum() for p in ps)
+        s = (ps[0] * 2).sum()  # a 0-dim cpu value of the segment ...
+        s.add_(1)  # ... written in place: deferred with the rest, not a host op
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        out.append((loss.item(), s.item()))
+
+    return step, out, ps
+
+
+def test_host_scalar_ops_run_at_once_in_the_compiled_dispatcher(monkeypatch):
+    # Note [Host scalars]: an op the slow path ran on the host, whose tensors are lone host
+    # scalars unknown to the segment, is run by the compiled dispatcher without a Python
+    # frame; values and every count are the Python path's
+    from adaptive_eager.tracer import mode as mode_module
+
+    step, want, ps_eager = adam_program()
+    for i in range(6):
+        step(i)
+    slow = mode_module.AdaptiveEagerMode._slow
+    results = {}
+    for hot_path in ("python", "cpp"):
+        calls = [0]
+
+        def counting(self, *args, _slow=slow, _calls=calls):
+            _calls[0] += 1
+            return _slow(self, *args)
+
+        monkeypatch.setattr(mode_module.AdaptiveEagerMode, "_slow", counting)
+        monkeypatch.setenv("NEURON_ADAPTIVE_EAGER_HOT_PATH", hot_path)
+        ae.reset()
+        step, out, ps = adam_program()
+        with ae.enabled(**CPU):
+            for i in range(6):
+                step(i)
+            s = ae.stats()
+        results[hot_path] = (out, ps, s, calls[0])
+    for out, ps, s, _ in results.values():
+        assert out == want
+        assert all(torch.equal(p, q) for p, q in zip(ps, ps_eager))
+    (_, _, s_py, slow_py), (_, _, s_c, slow_c) = results["python"], results["cpp"]
+    assert s_c.ops_host == s_py.ops_host > 0 and s_c.replays > 0
+    assert counts(s_c) == counts(s_py) and s_c.ops_passthrough == s_py.ops_passthrough
+    assert slow_c <= slow_py - s_py.ops_host // 2  # most host ops never reached _slow
+
+
+def test_compiled_alias_groups_agree():
+    from adaptive_eager.scheduler import program
+
+    a, b = torch.randn(8), torch.randn(3, 3)
+    tensors = [a, a[2:], b, torch.empty(0), a.view(2, 4), b.t(), torch.randn(2), a.clone(),
+               torch.empty(0)]
+    assert native.alias_groups(tensors) == program.alias_groups(tensors) == (
+        -1, 0, -1, -1, 0, 2, -1, -1, -1)

@@ -390,7 +390,9 @@ def graph_for(mode, path: Path, live: tuple):
         counters.cache_hits += 1
         if debug >= 3:
             log.debug("cache hit graph%d %r", path.gid, key)
-        if graph.mutates_external and written_input_aliased(graph.plan, seg.exts):
+        if graph.mutates_external and written_input_aliased(
+                graph.plan, seg.exts,
+                native.alias_groups if mode.config.hot_path == "cpp" else alias_groups):
             counters.fallback("a written input aliases another input: replayed exactly")
             return None
         if 0.0 in variant[2] and not same_zero_signs(graph.spec_values, variant[2]):
@@ -415,9 +417,9 @@ def same_zero_signs(compiled, values) -> bool:
                for a, b in zip(compiled, values) if type(a) is float and a == 0.0)
 
 
-def written_input_aliased(the_plan, exts) -> bool:
+def written_input_aliased(the_plan, exts, groups_of=alias_groups) -> bool:
     inputs = [exts[k] for k in the_plan.ext_inputs]
-    groups = alias_groups(inputs)
+    groups = groups_of(inputs)
     shared = {g for g in groups if g >= 0}
     if not shared:
         return False

@@ -80,6 +80,9 @@ class AdaptiveEagerMode(TorchDispatchMode):
         self.debug = self.counters.debug = config.debug
         self.devices = frozenset(config.devices)
         self.host_scalars = "cpu" in self.devices
+        # ops _slow ran as host scalars: the compiled dispatcher runs them at once when
+        # every tensor is a lone host scalar the segment does not know (tracer.native)
+        self.host_funcs: dict = {}
         # The compiled hot path enters through a compiled ``__torch_dispatch__`` (the same
         # steps as ``_dispatch``, below) bound to this mode: no Python frame per op.
         if config.hot_path == "cpp":
@@ -123,6 +126,7 @@ class AdaptiveEagerMode(TorchDispatchMode):
             if info.mutated_args and any(S.feeds(t) for t in tensors):
                 self.end_segment("host op writes a segment input")
             c.ops_host += 1
+            self.host_funcs[func] = True
             return func(*args, **kwargs)
         cls = info.cls
         if cls is OpClass.SYNC:

@@ -27,7 +27,7 @@ from adaptive_eager.scheduler.program import Ext, Rec, Val, _minimal
 
 from . import signature
 
-__all__ = ["dispatcher", "load", "make_fast"]
+__all__ = ["alias_groups", "dispatcher", "load", "make_fast"]
 
 _CSRC = Path(__file__).with_name("csrc")
 _module = None
@@ -119,5 +119,12 @@ def make_fast(node, n_ext_before: int) -> tuple:
 def dispatcher(mode, empty: dict):
     """``mode``'s ``__torch_dispatch__`` in C, bound to it (tracer.mode._dispatch: the op the
     segment expects next goes to its node's fast path, compiled or not, with ``empty`` for
-    no keyword arguments; anything else, or a miss, to ``mode._slow``)."""
-    return load().dispatcher(mode, signature.MISS, empty)
+    no keyword arguments; an op in ``mode.host_funcs`` whose every tensor is a host scalar
+    alone on its memory and unknown to the segment runs at once, counted as a host op;
+    anything else, or a miss, goes to ``mode._slow``)."""
+    return load().dispatcher(mode, signature.MISS, empty, signature.PLAIN, mode.host_funcs)
+
+
+def alias_groups(tensors) -> tuple:
+    """scheduler.program.alias_groups, compiled."""
+    return load().alias_groups(tensors)

@@ -9,6 +9,7 @@
 #include <torch/extension.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <unordered_map>
 #include <vector>
 
 namespace {
@@ -45,7 +46,7 @@ struct Out {
 
 struct Strings {
   PyObject *outw, *exts, *ids, *extw, *floats, *stor, *hot, *start, *node, *expect, *hot_next,
-      *ends_here, *finish, *seg, *fast, *spec, *func;
+      *ends_here, *finish, *seg, *fast, *spec, *func, *paused, *counters, *ops_host, *device;
 };
 Strings s;
 
@@ -420,7 +421,8 @@ Check make_check(py::tuple d) {
 }  // namespace
 
 // The mode's ``__torch_dispatch__`` (tracer.mode._dispatch, in C): the op the segment expects
-// next goes to its node's fast path; anything else, or a miss, to ``mode._slow``.
+// next goes to its node's fast path; a host-scalar op that cannot touch the segment runs at
+// once (host_op); anything else, or a miss, goes to ``mode._slow``.
 struct Dispatch {
   PyObject_HEAD
   vectorcallfunc vectorcall;
@@ -428,9 +430,91 @@ struct Dispatch {
   PyObject* slow;       // mode._slow
   PyObject* miss;
   PyObject* empty;      // the shared empty kwargs the fast paths get
+  PyObject* plain;      // the set of plain tensor types
+  PyObject* host_funcs; // ops mode._slow ran as host scalars (tracer.mode.host_funcs)
 };
 
 PyTypeObject DispatchType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+// A tensor argument of a host-scalar op that cannot concern the segment: a plain 0-dim cpu
+// tensor alone on memory PyTorch allocated (tracer.segment._alone: no other tensor, so no
+// external of the segment, aliases it) and not one of the segment's own tensors. 1 yes, 0 no
+// (or not sure), -1 an error is set.
+int lone_host_scalar(Dispatch* d, PyObject* v, PyObject* S) {
+  int in_plain = PySet_Contains(d->plain, (PyObject*)Py_TYPE(v));
+  if (in_plain != 1) return in_plain;
+  const at::Tensor& t = THPVariable_Unpack(v);
+  if (t.dim() != 0 || !t.device().is_cpu() || t.layout() != at::kStrided ||
+      t.is_quantized() || t._is_zerotensor())
+    return 0;
+  const c10::Storage& storage = t.storage();
+  if (!storage.resizable() || storage.use_count() != 1) return 0;
+  PyObject* ids = PyObject_GetAttr(S, s.ids);
+  PyObject* outw = ids ? PyObject_GetAttr(S, s.outw) : nullptr;
+  PyObject* extw = outw ? PyObject_GetAttr(S, s.extw) : nullptr;
+  int seen = extw ? known(v, ids, outw, extw) : -1;
+  Py_XDECREF(ids);
+  Py_XDECREF(outw);
+  Py_XDECREF(extw);
+  return seen < 0 ? -1 : !seen;
+}
+
+// Note [Host scalars] (tracer.mode), the common case in C: an op mode._slow has run on the
+// host before, whose every tensor is a lone host scalar (an optimizer's step count), runs at
+// once and is counted as mode._slow counts it. nullptr with no error set: not such a call
+// (mode._slow decides).
+PyObject* host_op(Dispatch* d, PyObject* func, PyObject* args, PyObject* kwargs, PyObject* S) {
+  int known_op = PyDict_Contains(d->host_funcs, func);
+  if (known_op != 1) return nullptr;
+  if (kwargs != nullptr && PyDict_Contains(kwargs, s.device) != 0) return nullptr;
+  PyObject* paused = PyObject_GetAttr(d->mode, s.paused);
+  if (paused == nullptr) return nullptr;
+  int busy = PyObject_IsTrue(paused);
+  Py_DECREF(paused);
+  if (busy != 0) return nullptr;
+  int n_tensors = 0;
+  auto visit = [&](PyObject* x) -> int {  // 1 fine, 0 not a lone host scalar, -1 error
+    if (THPVariable_Check(x)) {
+      n_tensors++;
+      return lone_host_scalar(d, x, S);
+    }
+    if (PyList_CheckExact(x) || PyTuple_CheckExact(x)) {
+      PyObject* seq = PySequence_Fast(x, "");
+      if (seq == nullptr) return -1;
+      int ok = 1;
+      for (Py_ssize_t i = 0; ok == 1 && i < PySequence_Fast_GET_SIZE(seq); i++) {
+        PyObject* y = PySequence_Fast_GET_ITEM(seq, i);
+        if (THPVariable_Check(y)) {
+          n_tensors++;
+          ok = lone_host_scalar(d, y, S);
+        }
+      }
+      Py_DECREF(seq);
+      return ok;
+    }
+    return 1;
+  };
+  int ok = 1;
+  for (Py_ssize_t i = 0; ok == 1 && i < PyTuple_GET_SIZE(args); i++)
+    ok = visit(PyTuple_GET_ITEM(args, i));
+  if (ok == 1 && kwargs != nullptr) {
+    PyObject *key, *value;
+    Py_ssize_t pos = 0;
+    while (ok == 1 && PyDict_Next(kwargs, &pos, &key, &value)) ok = visit(value);
+  }
+  if (ok != 1 || n_tensors == 0) return nullptr;  // an error, if any, propagates
+  PyObject* counters = PyObject_GetAttr(d->mode, s.counters);
+  if (counters == nullptr) return nullptr;
+  PyObject* n = PyObject_GetAttr(counters, s.ops_host);
+  static PyObject* one = PyLong_FromLong(1);
+  PyObject* n1 = n ? PyNumber_Add(n, one) : nullptr;
+  int set = n1 ? PyObject_SetAttr(counters, s.ops_host, n1) : -1;
+  Py_XDECREF(n);
+  Py_XDECREF(n1);
+  Py_DECREF(counters);
+  if (set < 0) return nullptr;
+  return PyObject_Call(func, args, kwargs);
+}
 
 PyObject* dispatch_vectorcall(PyObject* self, PyObject* const* argv, size_t nargsf,
                               PyObject* kwnames) {
@@ -474,11 +558,14 @@ PyObject* dispatch_vectorcall(PyObject* self, PyObject* const* argv, size_t narg
     Py_DECREF(fast);
   }
   Py_XDECREF(e);
-  Py_DECREF(S);
-  if (e == nullptr) return nullptr;
-  if (r != nullptr && r != d->miss) return r;
-  if (r == nullptr && PyErr_Occurred()) return nullptr;
+  if (e == nullptr || (r != nullptr && r != d->miss) || (r == nullptr && PyErr_Occurred())) {
+    Py_DECREF(S);
+    return r;
+  }
   Py_XDECREF(r);
+  PyObject* host = host_op(d, func, args, no_kwargs ? nullptr : kwargs, S);
+  Py_DECREF(S);
+  if (host != nullptr || PyErr_Occurred()) return host;
   PyObject* kw = no_kwargs ? PyDict_New() : kwargs;  // ``kwargs or {}``
   if (kw == nullptr) return nullptr;
   PyObject* out = PyObject_CallFunctionObjArgs(d->slow, func, args, kw, nullptr);
@@ -493,6 +580,8 @@ void dispatch_dealloc(PyObject* self) {
   Py_XDECREF(d->slow);
   Py_XDECREF(d->miss);
   Py_XDECREF(d->empty);
+  Py_XDECREF(d->plain);
+  Py_XDECREF(d->host_funcs);
   Py_TYPE(self)->tp_free(self);
 }
 
@@ -522,8 +611,10 @@ PyObject* dispatch_get_self(PyObject* self, void*) {
 PyGetSetDef dispatch_getset[] = {{"__self__", dispatch_get_self, nullptr, "the mode", nullptr},
                                  {nullptr}};
 
-// dispatcher(mode, miss, empty): the mode's ``__torch_dispatch__``, bound to it.
-py::object dispatcher(py::object mode, py::object miss, py::object empty) {
+// dispatcher(mode, miss, empty, plain, host_funcs): the mode's ``__torch_dispatch__``, bound
+// to it.
+py::object dispatcher(py::object mode, py::object miss, py::object empty, py::object plain,
+                      py::dict host_funcs) {
   Dispatch* d = PyObject_GC_New(Dispatch, &DispatchType);
   if (d == nullptr) throw py::error_already_set();
   d->vectorcall = dispatch_vectorcall;
@@ -531,6 +622,8 @@ py::object dispatcher(py::object mode, py::object miss, py::object empty) {
   d->slow = PyObject_GetAttrString(mode.ptr(), "_slow");
   d->miss = miss.inc_ref().ptr();
   d->empty = empty.inc_ref().ptr();
+  d->plain = plain.inc_ref().ptr();
+  d->host_funcs = host_funcs.inc_ref().ptr();
   if (d->slow == nullptr) {
     Py_DECREF(d);
     throw py::error_already_set();
@@ -618,6 +711,25 @@ py::object make(py::object node, py::object plain, py::object miss, py::object e
   return py::reinterpret_steal<py::object>((PyObject*)f);
 }
 
+// scheduler.program.alias_groups, compiled (a launch asks it of every input of a graph that
+// writes one: an optimizer step's hundreds of parameters and states).
+py::tuple alias_groups(const std::vector<at::Tensor>& tensors) {
+  std::unordered_map<const void*, std::vector<std::pair<c10::Device, Py_ssize_t>>> first;
+  py::tuple out(tensors.size());
+  for (size_t i = 0; i < tensors.size(); i++) {
+    const at::Tensor& t = tensors[i];
+    Py_ssize_t group = -1;
+    if (t.storage().nbytes() != 0) {
+      auto& seen = first[t.storage().data()];
+      for (const auto& [device, at] : seen)
+        if (device == t.device()) group = at;
+      if (group < 0) seen.emplace_back(t.device(), (Py_ssize_t)i);
+    }
+    out[i] = py::int_(group);
+  }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   FastNodeType.tp_name = "adaptive_eager.FastPath";
   FastNodeType.tp_basicsize = sizeof(FastNode);
@@ -629,10 +741,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   if (PyType_Ready(&FastNodeType) < 0) throw py::error_already_set();
   const char* names[] = {"outw", "exts", "ids", "extw", "floats", "stor", "hot",
                          "start", "node", "expect", "hot_next", "ends_here", "finish",
-                         "seg", "fast", "spec", "func"};
+                         "seg", "fast", "spec", "func", "paused", "counters", "ops_host",
+                         "device"};
   PyObject** slots[] = {&s.outw, &s.exts, &s.ids, &s.extw, &s.floats, &s.stor, &s.hot,
                         &s.start, &s.node, &s.expect, &s.hot_next, &s.ends_here, &s.finish,
-                        &s.seg, &s.fast, &s.spec, &s.func};
+                        &s.seg, &s.fast, &s.spec, &s.func, &s.paused, &s.counters,
+                        &s.ops_host, &s.device};
   for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
     *slots[i] = PyUnicode_InternFromString(names[i]);
   DispatchType.tp_name = "adaptive_eager.Dispatch";
@@ -648,4 +762,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   if (PyType_Ready(&DispatchType) < 0) throw py::error_already_set();
   m.def("make", &make);
   m.def("dispatcher", &dispatcher);
+  m.def("alias_groups", &alias_groups);
 }
