@@ -199,3 +199,27 @@ def test_compiled_alias_groups_agree():
                torch.empty(0)]
     assert native.alias_groups(tensors) == program.alias_groups(tensors) == (
         -1, 0, -1, -1, 0, 2, -1, -1, -1)
+
+
+def test_compiled_launch_bookkeeping_agrees():
+    # the launch's loops over a segment's values, compiled (tracer.native) and in Python
+    from types import SimpleNamespace
+
+    from adaptive_eager.scheduler import launch
+    from adaptive_eager.tracer import lifecycle, segment
+
+    floats = [(), (1.5, 2.0), (0.25,), [3.0]]
+    at = ((1, 1), (2, 0), (1, 0), (3, 0))
+    assert native.pick_floats(floats, at) == lifecycle.pick_floats(floats, at) == (
+        2.0, 0.25, 1.5, 3.0)
+    with pytest.raises(IndexError):
+        native.pick_floats(floats, ((2, 1),))
+    for release in (native.release_weak, segment.release_weak):
+        ts = [torch.randn(2) for _ in range(4)]
+        stor = [t.untyped_storage()._weak_ref() for t in ts]
+        ts[1] = None  # value 1 dies; value 2 has no storage reference (a view)
+        stor[2], ref = None, stor[2]
+        torch.UntypedStorage._free_weak_ref(ref)
+        path, seg = SimpleNamespace(fresh=(0, 1, 2, 3)), SimpleNamespace(stor=stor)
+        assert native.live_values(path, seg) == launch.live_values(path, seg) == (0, 3)
+        release(stor)

@@ -176,10 +176,10 @@ class Path:
             self.dynamic = self.dynamic | changed
         return bool(changed)
 
-    def variant(self, live: tuple, floats) -> tuple:
+    def variant(self, live: tuple, floats, pick=None) -> tuple:
         """(live outputs, lifted positions, specialized values): what one graph serves."""
         the_plan = self.plan
-        return live, the_plan.lifted, tuple(floats[n][j] for n, j in the_plan.specialized)
+        return live, the_plan.lifted, (pick or pick_floats)(floats, the_plan.specialized)
 
     def builder(self, variant, process: bool = False):
         live, _, spec_values = variant  # computed from the current plan just before
@@ -380,10 +380,10 @@ def graph_for(mode, path: Path, live: tuple):
     if path.fused_off:
         counters.fallback(f"no fused graph ({path.fused_off}): replayed exactly")
         return None
-    variant = path.variant(live, seg.floats)
+    variant = path.variant(live, seg.floats, mode.pick_floats)
     key = path.variants.get(variant)
     if key is None and path.observe(seg.floats):  # a specialized float changed: lift it
-        variant = path.variant(live, seg.floats)
+        variant = path.variant(live, seg.floats, mode.pick_floats)
         key = path.variants.get(variant)
     graph = mode.cache.get(key) if key is not None else None
     if graph is not None:
@@ -410,6 +410,11 @@ def graph_for(mode, path: Path, live: tuple):
         request(mode, path, variant)
     counters.fallback("variant compiling: replayed exactly")
     return None
+
+
+def pick_floats(floats, at) -> tuple:
+    """``floats[n][j]`` for each ``(n, j)`` of ``at`` (its compiled twin: tracer.native)."""
+    return tuple(floats[n][j] for n, j in at)
 
 
 def same_zero_signs(compiled, values) -> bool:

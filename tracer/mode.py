@@ -42,7 +42,7 @@ from adaptive_eager.scheduler.userline import user_line as _user_line
 
 from . import learn, lifecycle
 from .optable import OpClass, info as op_info
-from .segment import Segment
+from .segment import Segment, release_weak
 from .signature import MISS, Unsupported, describe_kind, is_plain, observe
 from .trie import new_root
 
@@ -85,12 +85,16 @@ class AdaptiveEagerMode(TorchDispatchMode):
         self.host_funcs: dict = {}
         # The compiled hot path enters through a compiled ``__torch_dispatch__`` (the same
         # steps as ``_dispatch``, below) bound to this mode: no Python frame per op.
+        # The launch's bookkeeping over the segment's values, compiled alike.
         if config.hot_path == "cpp":
-            from .native import dispatcher
+            from . import native
 
-            self.__torch_dispatch__ = dispatcher(self, _EMPTY)
+            self.__torch_dispatch__ = native.dispatcher(self, _EMPTY)
+            self.release_weak, self.live_values = native.release_weak, native.live_values
+            self.pick_floats = native.pick_floats
         else:
-            self.__dict__.pop("__torch_dispatch__", None)
+            for name in ("__torch_dispatch__", "release_weak", "live_values", "pick_floats"):
+                self.__dict__.pop(name, None)
 
     # ------------------------------------------------------------------ slow path
 
@@ -279,7 +283,7 @@ class AdaptiveEagerMode(TorchDispatchMode):
 
     def _launch(self, node) -> None:
         path = lifecycle.path_of(self, node)
-        live = _launch.live_values(path, self.seg)
+        live = self.live_values(path, self.seg)
         graph = lifecycle.graph_for(self, path, live)
         # Paused while the launch runs: the compiled graph's own reads (Inductor checks input
         # alignment through data_ptr) must not re-enter the read guard's flush.
@@ -345,6 +349,10 @@ def _dispatch(self, func, types, args=(), kwargs=None):
 # function runs. Known gap: nothing suspends the engine around torch.compile'd code yet, so
 # running both on one thread is not supported.
 AdaptiveEagerMode.__torch_dispatch__ = _dispatch
+# the Python forms of what configure() may replace by compiled ones (tracer.native)
+AdaptiveEagerMode.release_weak = staticmethod(release_weak)
+AdaptiveEagerMode.live_values = staticmethod(_launch.live_values)
+AdaptiveEagerMode.pick_floats = staticmethod(lifecycle.pick_floats)
 
 
 # Note [Dispatch rule lookup]: before calling a mode's ``__torch_dispatch__`` the dispatcher

@@ -27,7 +27,8 @@ from adaptive_eager.scheduler.program import Ext, Rec, Val, _minimal
 
 from . import signature
 
-__all__ = ["alias_groups", "dispatcher", "load", "make_fast"]
+__all__ = ["alias_groups", "dispatcher", "live_values", "load", "make_fast", "pick_floats",
+           "release_weak"]
 
 _CSRC = Path(__file__).with_name("csrc")
 _module = None
@@ -128,3 +129,18 @@ def dispatcher(mode, empty: dict):
 def alias_groups(tensors) -> tuple:
     """scheduler.program.alias_groups, compiled."""
     return load().alias_groups(tensors)
+
+
+def live_values(path, seg) -> tuple:
+    """scheduler.launch.live_values, compiled."""
+    return load().live_values(path.fresh, seg.stor)
+
+
+def release_weak(stor) -> None:
+    """tracer.segment.release_weak, compiled."""
+    load().release_weak(stor)
+
+
+def pick_floats(floats, at) -> tuple:
+    """tracer.lifecycle.pick_floats, compiled."""
+    return load().pick_floats(floats, at)

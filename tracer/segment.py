@@ -21,7 +21,7 @@ import torch
 
 from adaptive_eager.scheduler.program import Ext, Val
 
-__all__ = ["Segment"]
+__all__ = ["Segment", "release_weak"]
 
 _wref = weakref.ref
 # A weak reference to a storage (an int handle): tells whether anything still uses the
@@ -42,8 +42,9 @@ def _alone(t) -> bool:
     return storage.resizable() and _use_count(storage._cdata) == 2
 
 
-def _release(stor) -> None:
-    """Free the weak storage references of deferred values (Note [Liveness])."""
+def release_weak(stor) -> None:
+    """Free the weak storage references of deferred values (Note [Liveness]); the owner's
+    ``release_weak`` is this or its compiled twin (tracer.native)."""
     for ref in stor:
         if ref is not None:
             _free_weak(ref)
@@ -66,7 +67,7 @@ class Segment:
         if cold:
             for ref in cold.values():
                 _free_weak(ref)
-        _release(getattr(self, "stor", ()))
+        self.owner.release_weak(getattr(self, "stor", ()))
         self.cold_storage: dict = {}  # value index -> weak storage ref (cold fresh outputs)
         self.node = self.root
         self.expect = self.root.hot_next
@@ -211,7 +212,7 @@ class Segment:
         """After a flush mid-segment: nothing is pending any more; keep the numbering."""
         self.hot = False
         self.expect = None
-        _release(self.stor)
+        self.owner.release_weak(self.stor)
         self.stor = [None] * len(self.stor)
         self.exts = []
         self.rng = None

@@ -7,6 +7,7 @@
 // (tracer.segment.Segment) exactly as the generated function does. A call that does not
 // match returns the MISS sentinel before changing anything.
 #include <torch/extension.h>
+#include <structmember.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <unordered_map>
@@ -181,7 +182,57 @@ bool append_new(PyObject* list, PyObject* item) {  // steals ``item``
   return rc == 0;
 }
 
-PyObject* attr(PyObject* o, PyObject* name) { return PyObject_GetAttr(o, name); }
+// Attributes of the tracer's objects, most of them ``__slots__`` (tracer.segment.Segment,
+// tracer.trie.Node): a slot is read and written at its offset in the object, which its
+// member descriptor gives once per (type, name), without the generic lookup through the
+// type's dictionaries (most of the per-op cost of the fast path went there). Anything else,
+// or a slot not set (which raises AttributeError), takes the generic path.
+struct SlotOf {
+  PyTypeObject* type;
+  PyObject* name;
+  Py_ssize_t offset;  // -1: not an object slot of ``type``
+};
+std::vector<SlotOf> slot_cache;
+
+Py_ssize_t slot_offset(PyObject* o, PyObject* name) {
+  PyTypeObject* tp = Py_TYPE(o);
+  for (const SlotOf& e : slot_cache)
+    if (e.type == tp && e.name == name) return e.offset;
+  Py_ssize_t offset = -1;
+  PyObject* d = _PyType_Lookup(tp, name);  // borrowed
+  if (d != nullptr && Py_TYPE(d) == &PyMemberDescr_Type) {
+    PyMemberDef* m = ((PyMemberDescrObject*)d)->d_member;
+    if (m->type == T_OBJECT_EX && !(m->flags & READONLY)) offset = m->offset;
+  }
+  if (slot_cache.size() < 64) {
+    Py_INCREF(tp);  // the cache keeps the type (and so the offset) alive
+    slot_cache.push_back({tp, name, offset});
+  }
+  return offset;
+}
+
+PyObject* attr(PyObject* o, PyObject* name) {
+  Py_ssize_t offset = slot_offset(o, name);
+  if (offset >= 0) {
+    PyObject* v = *(PyObject**)((char*)o + offset);
+    if (v != nullptr) {
+      Py_INCREF(v);
+      return v;
+    }
+  }
+  return PyObject_GetAttr(o, name);
+}
+
+int set_attr(PyObject* o, PyObject* name, PyObject* v) {
+  Py_ssize_t offset = slot_offset(o, name);
+  if (offset < 0) return PyObject_SetAttr(o, name, v);
+  PyObject** p = (PyObject**)((char*)o + offset);
+  PyObject* old = *p;
+  Py_INCREF(v);
+  *p = v;
+  Py_XDECREF(old);
+  return 0;
+}
 
 PyObject* run(FastNode* f, PyObject* args, PyObject* kwargs, PyObject* S) {
   PyObject *outw = attr(S, s.outw), *exts = attr(S, s.exts), *ids = attr(S, s.ids),
@@ -315,8 +366,8 @@ PyObject* run(FastNode* f, PyObject* args, PyObject* kwargs, PyObject* S) {
   if (result == nullptr) return nullptr;
   // ``S.node = N; S.expect = N.hot_next; if N.ends_here: S.finish()``
   PyObject* next = attr(f->node, s.hot_next);
-  bool moved = next && PyObject_SetAttr(S, s.node, f->node) == 0 &&
-               PyObject_SetAttr(S, s.expect, next) == 0;
+  bool moved = next && set_attr(S, s.node, f->node) == 0 &&
+               set_attr(S, s.expect, next) == 0;
   Py_XDECREF(next);
   if (moved) {
     PyObject* ends = attr(f->node, s.ends_here);
@@ -449,9 +500,9 @@ int lone_host_scalar(Dispatch* d, PyObject* v, PyObject* S) {
     return 0;
   const c10::Storage& storage = t.storage();
   if (!storage.resizable() || storage.use_count() != 1) return 0;
-  PyObject* ids = PyObject_GetAttr(S, s.ids);
-  PyObject* outw = ids ? PyObject_GetAttr(S, s.outw) : nullptr;
-  PyObject* extw = outw ? PyObject_GetAttr(S, s.extw) : nullptr;
+  PyObject* ids = attr(S, s.ids);
+  PyObject* outw = ids ? attr(S, s.outw) : nullptr;
+  PyObject* extw = outw ? attr(S, s.extw) : nullptr;
   int seen = extw ? known(v, ids, outw, extw) : -1;
   Py_XDECREF(ids);
   Py_XDECREF(outw);
@@ -529,10 +580,10 @@ PyObject* dispatch_vectorcall(PyObject* self, PyObject* const* argv, size_t narg
   bool no_kwargs = kwargs == Py_None || (PyDict_Check(kwargs) && PyDict_GET_SIZE(kwargs) == 0);
   PyObject* S = PyObject_GetAttr(d->mode, s.seg);
   if (S == nullptr) return nullptr;
-  PyObject* e = PyObject_GetAttr(S, s.expect);
+  PyObject* e = attr(S, s.expect);
   PyObject* r = nullptr;
   if (e != nullptr && e != Py_None) {
-    PyObject* fast = PyObject_GetAttr(e, s.fast);
+    PyObject* fast = attr(e, s.fast);
     if (fast != nullptr && Py_TYPE(fast) == &FastNodeType) {
       FastNode* f = (FastNode*)fast;
       if (f->func == func) r = run(f, args, no_kwargs ? nullptr : kwargs, S);
@@ -730,6 +781,54 @@ py::tuple alias_groups(const std::vector<at::Tensor>& tensors) {
   return out;
 }
 
+// The launch's bookkeeping over a segment's values (tracer.segment, scheduler.launch), one
+// call each instead of a Python loop over hundreds of values. A storage weak reference is the
+// integer handle ``UntypedStorage._weak_ref()`` gives (and the fast paths make).
+c10::StorageImpl* weak_of(PyObject* handle) { return (c10::StorageImpl*)PyLong_AsVoidPtr(handle); }
+
+// scheduler.launch.live_values: the indices in ``fresh`` whose storage is still alive.
+py::tuple live_values(py::tuple fresh, py::list stor) {
+  std::vector<Py_ssize_t> live;
+  PyObject* list = stor.ptr();
+  for (py::handle i : fresh) {
+    Py_ssize_t at = PyLong_AsSsize_t(i.ptr());
+    if (at < 0 || at >= PyList_GET_SIZE(list)) throw py::index_error("live_values: no such value");
+    PyObject* ref = PyList_GET_ITEM(list, at);
+    if (ref != Py_None && c10::raw::weak_intrusive_ptr::use_count(weak_of(ref)) > 0)
+      live.push_back(at);
+  }
+  py::tuple out(live.size());
+  for (size_t j = 0; j < live.size(); j++) out[j] = py::int_(live[j]);
+  return out;
+}
+
+// tracer.segment._release: free every weak storage reference of ``stor`` (None: none).
+void release_weak(py::iterable stor) {
+  for (py::handle ref : stor)
+    if (!ref.is_none()) c10::raw::weak_intrusive_ptr::decref(weak_of(ref.ptr()));
+}
+
+// tracer.lifecycle.Path.variant's specialized values: ``floats[n][j]`` for each (n, j).
+py::tuple pick_floats(py::list floats, py::tuple at) {
+  py::tuple out(at.size());
+  PyObject* list = floats.ptr();
+  for (size_t k = 0; k < at.size(); k++) {
+    PyObject* nj = PyTuple_GET_ITEM(at.ptr(), k);
+    Py_ssize_t n = PyLong_AsSsize_t(PyTuple_GET_ITEM(nj, 0));
+    Py_ssize_t j = PyLong_AsSsize_t(PyTuple_GET_ITEM(nj, 1));
+    if (n < 0 || n >= PyList_GET_SIZE(list)) throw py::index_error("pick_floats: no such op");
+    PyObject* rec = PyList_GET_ITEM(list, n);
+    if (PyTuple_Check(rec) && j >= 0 && j < PyTuple_GET_SIZE(rec)) {
+      out[k] = py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(rec, j));
+    } else {
+      PyObject* v = PySequence_GetItem(rec, j);
+      if (v == nullptr) throw py::error_already_set();
+      out[k] = py::reinterpret_steal<py::object>(v);
+    }
+  }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   FastNodeType.tp_name = "adaptive_eager.FastPath";
   FastNodeType.tp_basicsize = sizeof(FastNode);
@@ -763,4 +862,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("make", &make);
   m.def("dispatcher", &dispatcher);
   m.def("alias_groups", &alias_groups);
+  m.def("live_values", &live_values);
+  m.def("release_weak", &release_weak);
+  m.def("pick_floats", &pick_floats);
 }
