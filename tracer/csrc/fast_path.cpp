@@ -188,26 +188,28 @@ bool append_new(PyObject* list, PyObject* item) {  // steals ``item``
 // type's dictionaries (most of the per-op cost of the fast path went there). Anything else,
 // or a slot not set (which raises AttributeError), takes the generic path.
 struct SlotOf {
-  PyTypeObject* type;
-  PyObject* name;
-  Py_ssize_t offset;  // -1: not an object slot of ``type``
+  PyTypeObject* type = nullptr;
+  PyObject* name = nullptr;
+  Py_ssize_t offset = -1;  // -1: not an object slot of ``type``
 };
-std::vector<SlotOf> slot_cache;
+SlotOf slot_cache[256];  // direct-mapped by (type, name): a miss only costs a lookup
 
 Py_ssize_t slot_offset(PyObject* o, PyObject* name) {
   PyTypeObject* tp = Py_TYPE(o);
-  for (const SlotOf& e : slot_cache)
-    if (e.type == tp && e.name == name) return e.offset;
+  SlotOf& e = slot_cache[(((uintptr_t)tp >> 4) ^ ((uintptr_t)name >> 4)) & 255];
+  if (e.type == tp && e.name == name) return e.offset;
   Py_ssize_t offset = -1;
   PyObject* d = _PyType_Lookup(tp, name);  // borrowed
   if (d != nullptr && Py_TYPE(d) == &PyMemberDescr_Type) {
     PyMemberDef* m = ((PyMemberDescrObject*)d)->d_member;
     if (m->type == T_OBJECT_EX && !(m->flags & READONLY)) offset = m->offset;
   }
-  if (slot_cache.size() < 64) {
-    Py_INCREF(tp);  // the cache keeps the type (and so the offset) alive
-    slot_cache.push_back({tp, name, offset});
-  }
+  // the entry keeps its type (and so the offset) and name alive
+  Py_INCREF(tp);
+  Py_INCREF(name);
+  Py_XDECREF((PyObject*)e.type);
+  Py_XDECREF(e.name);
+  e = {tp, name, offset};
   return offset;
 }
 
