@@ -217,8 +217,28 @@ def test_a_starved_child_is_raised_to_this_process_priority(monkeypatch, can_rai
         assert child.escalated == 1
         assert len(raised) == 1 and child.started == (1 if can_raise else 2)
         assert os.getpriority(os.PRIO_PROCESS, child.pid) == compile_process.LOW
+        if hasattr(os, "SCHED_IDLE"):  # and back in the idle class
+            assert os.sched_getscheduler(child.pid) == os.SCHED_IDLE
     finally:
         child.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="no idle scheduling class here")
+def test_the_child_idles_in_the_idle_class_and_leaves_it_when_raised():
+    child = compile_process.CompileProcess()
+    proc = child._start()
+    try:
+        assert os.sched_getscheduler(proc.pid) == os.SCHED_IDLE
+        assert os.getpriority(os.PRIO_PROCESS, proc.pid) == compile_process.LOW
+        mine = os.getpriority(os.PRIO_PROCESS, 0)
+        if compile_process._renice(proc.pid, mine):  # where the system lets it be raised
+            assert os.sched_getscheduler(proc.pid) == os.SCHED_OTHER
+            assert os.getpriority(os.PRIO_PROCESS, proc.pid) == mine
+        assert compile_process._renice(proc.pid, compile_process.LOW)
+        assert os.sched_getscheduler(proc.pid) == os.SCHED_IDLE
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_a_child_that_progresses_is_left_at_low_priority(monkeypatch):
