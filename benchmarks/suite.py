@@ -33,12 +33,14 @@ WARM_STEPS = 20  # the warm-up figures look at the first 20 steps
 STEADY_WITHIN = 1.5  # a step is steady when within this factor of the timed median
 
 
-def _list(p, flag, value, accepted):
+def _list(p, flag, value, accepted, pattern=None, shown=()):
+    """``value`` as a list of accepted names (or names ``pattern`` matches, shown as
+    ``shown`` in the error)."""
     items = [v.strip() for v in value.split(",") if v.strip()]
-    bad = [v for v in items if v not in accepted]
+    bad = [v for v in items if v not in accepted and not (pattern and pattern.fullmatch(v))]
     if bad or not items:
         p.error(f"{flag} {value!r}: {', '.join(bad) or 'empty'} is not accepted; "
-                f"accepted: {', '.join(accepted)}")
+                f"accepted: {', '.join((*accepted, *shown))}")
     return items
 
 
@@ -48,7 +50,8 @@ def parse(argv=None):
                    "(default: neuron, the emulated device when torch-neuronx is absent)")
     p.add_argument("--workloads", default=None,
                    help=f"comma list of {', '.join(WORKLOAD_NAMES)} (default: all; the quick "
-                        f"suite leaves out {', '.join(FULL_ONLY)})")
+                        f"suite leaves out {', '.join(FULL_ONLY)}), or llama-train@<hidden>x"
+                        "<layers> (llama-train scaled, hidden divisible by 4)")
     p.add_argument("--modes", default=",".join(MODE_NAMES))
     p.add_argument("--launch-us", default=None,
                    help="emulated launch latencies to sweep, microseconds (neuron only; "
@@ -68,8 +71,16 @@ def parse(argv=None):
     a = p.parse_args(argv)
     if a.device not in DEVICES:
         p.error(f"--device {a.device!r} is not accepted; accepted: {', '.join(DEVICES)}")
+    from benchmarks.workloads import SIZED, workload
+
     a.workloads = _list(p, "--workloads", a.workloads or ",".join(
-        w for w in WORKLOAD_NAMES if a.full or w not in FULL_ONLY), WORKLOAD_NAMES)
+        w for w in WORKLOAD_NAMES if a.full or w not in FULL_ONLY), WORKLOAD_NAMES, SIZED,
+        ("llama-train@<hidden>x<layers> (llama-train scaled: llama-train@256x8)",))
+    for name in a.workloads:
+        try:
+            workload(name)
+        except ValueError as e:
+            p.error(f"--workloads: {e}")
     a.modes = _list(p, "--modes", a.modes, MODE_NAMES)
     if a.launch_us is not None and a.device != "neuron":
         p.error(f"--launch-us {a.launch_us!r} applies to --device neuron only, not {a.device!r}")
@@ -249,7 +260,7 @@ def _serve(conn, mode: str, device: str) -> None:
     warnings.filterwarnings("ignore")
     import adaptive_eager as ae
     from benchmarks.modes import MODES
-    from benchmarks.workloads import WORKLOADS
+    from benchmarks.workloads import workload
 
     if device == "neuron":
         import adaptive_eager.neuron as neuron
@@ -260,7 +271,7 @@ def _serve(conn, mode: str, device: str) -> None:
     def build(name, size):
         ae.reset()  # the previous workload's paths and graphs are not this one's
         state.pop("run", None)
-        run = state["run"] = MODES[mode].build(WORKLOADS[name], device, size)
+        run = state["run"] = MODES[mode].build(workload(name), device, size)
         import threading
 
         return dict(compiles=run.compiles, note=run.note, pid=os.getpid(),

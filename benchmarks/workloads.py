@@ -12,6 +12,7 @@ Every builder seeds the generator, so each mode gets the same weights and data.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Callable
 
 import torch
@@ -108,16 +109,16 @@ def mlp_train(device: str, size: str) -> Workload:
 
 # ---------------------------------------------------------------------------- llama-*
 
-def _llama(device: str, zoo_size: str):
+def _llama(device: str, zoo_size):
     """(model, batch, source): Hugging Face's Llama when transformers is installed, else the
-    in-repo equivalent below."""
+    in-repo equivalent below. ``zoo_size``: a name of benchmarks.zoo.SIZES, or a size dict."""
     try:
         import transformers  # noqa: F401
     except ImportError:
         from benchmarks.zoo import SIZES
 
         torch.manual_seed(0)
-        s = SIZES[zoo_size]
+        s = SIZES[zoo_size] if isinstance(zoo_size, str) else zoo_size
         model = TinyLlama(s)
         g = torch.Generator().manual_seed(1)
         ids = torch.randint(0, s["vocab"], (s["batch"], s["seq"]), generator=g)
@@ -128,7 +129,7 @@ def _llama(device: str, zoo_size: str):
     return model, batch, "transformers.LlamaForCausalLM"
 
 
-def _llama_train(zoo_size: str):
+def _llama_train(zoo_size):
     def build(device: str, size: str) -> Workload:
         model, batch, source = _llama(device, zoo_size if size == "issue" else "tiny")
         w = _train(device, model, batch, lambda m, bt: m(**bt).loss)
@@ -311,3 +312,23 @@ WORKLOADS: dict[str, Callable[[str, str], Workload]] = {
     "llama-decode": llama_decode,
     "adam-many": adam_many,
 }
+
+# ``llama-train@<hidden>x<layers>``: llama-train scaled (benchmarks.zoo.sized), for the table
+# of how the engine's lead grows with the work (benchmarks/RESULTS.md).
+SIZED = re.compile(r"llama-train@([1-9][0-9]*)x([1-9][0-9]*)")
+
+
+def workload(name: str) -> Callable[[str, str], Workload]:
+    """The builder of a workload: a name of WORKLOADS, or ``llama-train@<hidden>x<layers>``."""
+    if name in WORKLOADS:
+        return WORKLOADS[name]
+    m = SIZED.fullmatch(name)
+    if m is None:
+        raise KeyError(name)
+    from benchmarks.zoo import sized
+
+    hidden, layers = int(m.group(1)), int(m.group(2))
+    if hidden % 4:
+        raise ValueError(f"{name}: hidden {hidden} is not divisible by the 4 attention heads")
+    return _llama_train(sized(hidden, layers))
+

@@ -63,9 +63,16 @@ def _model(name: str, s: dict):
     raise ValueError(f"unknown model {name!r}; accepted: {', '.join(MODELS)}")
 
 
-def build(name: str, size: str = "tiny", seed: int = 0):
-    """(model, batch) for ``name``: the same weights and data for the same seed."""
-    s = SIZES[size]
+def sized(hidden: int, layers: int) -> dict:
+    """The ``issue`` configuration scaled to ``hidden`` and ``layers`` (the MLP's width and
+    the batch stay in proportion: how the engine's lead grows with the work)."""
+    return dict(SIZES["issue"], hidden=hidden, inter=hidden * 172 // 64, layers=layers)
+
+
+def build(name: str, size: str | dict = "tiny", seed: int = 0):
+    """(model, batch) for ``name`` at a size of SIZES (or a size dict, ``sized``): the same
+    weights and data for the same seed."""
+    s = SIZES[size] if isinstance(size, str) else size
     torch.manual_seed(seed)
     model = _model(name, s)
     model.train()

@@ -6,6 +6,7 @@ import json
 import os
 import pathlib
 import subprocess
+import math
 import sys
 
 import pytest
@@ -169,3 +170,23 @@ def test_plot_draws_speedup_and_warm_up(tmp_path):
         r["speedup"] = 2.0 if r["mode"] == "adaptive" else 1.0
     suite.plot(rows, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 10_000
+
+
+def test_sized_llama_workloads(monkeypatch):
+    # llama-train@<hidden>x<layers>: the scaling table's workloads (benchmarks/RESULTS.md)
+    from benchmarks import zoo
+    from benchmarks.workloads import workload
+
+    model, batch = zoo.build("llama", zoo.sized(8, 3))
+    assert model.config.hidden_size == 8 and model.config.num_hidden_layers == 3
+    assert model.config.intermediate_size == 8 * 172 // 64
+    assert batch["input_ids"].shape == (2, 32)
+    loss = workload("llama-train@8x3")("cpu", "issue").step()
+    assert math.isfinite(float(loss))
+    monkeypatch.setitem(sys.modules, "transformers", None)  # the in-repo model, sized alike
+    w = workload("llama-train@8x1")("cpu", "issue")
+    assert "in-repo" in w.note and math.isfinite(float(w.step()))
+    with pytest.raises(ValueError, match="not divisible by the 4 attention heads"):
+        workload("llama-train@6x2")
+    with pytest.raises(KeyError):
+        workload("llama-train@8")
