@@ -14,7 +14,6 @@ is recorded against the op that was running. ``harness.py`` says how each sample
 from __future__ import annotations
 
 import argparse
-import collections
 import datetime
 import json
 import os

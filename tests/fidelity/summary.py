@@ -82,7 +82,7 @@ def merged(lines: dict[str, dict], empty_runs, records) -> dict[str, dict]:
     the logs finished with no sample, ``records`` those runs' samples."""
     out = dict(lines)
     for k in empty_runs:
-        op, device, backend, dtype, kind = k.split("|")[4], *k.split("|")[:4]
+        device, backend, dtype, kind, op = k.split("|", 4)
         out[k] = dict(op=op, device=device, backend=backend, dtype=dtype, kind=kind, counts={},
                       reasons={}, failures=[], device_diff=0,
                       date=datetime.date.today().isoformat())
