@@ -209,7 +209,7 @@ def trace(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values: tuple
                 raise InductorDiffers(f"{spec.func} of an empty tensor: Inductor's mean is 0 "
                                       "where eager's is nan")
             if low:
-                args = precision.stored_as_eager(spec.func, args, kwargs)
+                func, args = precision.as_eager_16bit(spec.func, func, args, kwargs)
             if n in the_plan.lifted_ops:
                 res = lift_call(func, args, kwargs)
             else:

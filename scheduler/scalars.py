@@ -19,7 +19,9 @@ so a float32 graph sees the same float32 constant eager does. The cast dtype is 
 does with a wrapped Python float.
 
 Floats that cannot be lifted are *specialized*: their values become part of the compiled
-variant's key (see scheduler.backends).
+variant's key (see scheduler.backends). So is pow's exponent: eager computes a 16-bit
+tensor's power with the exponent rounded to the tensor's dtype, and by some exponents in
+16-bit steps (scheduler.precision), which the trace reproduces for a constant exponent only.
 """
 
 from __future__ import annotations
@@ -132,8 +134,13 @@ def _has_flt(x) -> bool:
     return False
 
 
+_SPECIALIZED = frozenset({aten.pow.Tensor_Scalar, aten.pow_.Scalar})
+
+
 def liftable(func, args, kwargs) -> bool:
     """Can every float leaf of this op (template form) be lifted into a graph input?"""
+    if func in _SPECIALIZED:
+        return False
     name = func._schema.name.split("::")[-1]
     if name.startswith("_foreach_"):
         elem = _foreach_element_op(func)

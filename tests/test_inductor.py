@@ -210,6 +210,29 @@ def test_16bit_fill_value_is_rounded_as_eager_stores_it():
         assert torch.equal(got[m], ref[m]), m
 
 
+def test_16bit_pow_is_computed_as_eager():
+    # Found by the OpInfo sweep (normalize's bf16 gradient with p=0.5): eager's pow of a 16-bit
+    # tensor takes the exponent in the tensor's dtype (1/3 is 0.333984375 in bf16), and
+    # computes -0.5, -2 and 3 in 16-bit steps; the fused graph must do the same
+    x = torch.randn(65536).mul(3).abs().add(0.01).bfloat16()
+    exps = (1 / 3, -0.5, -2.0, 3, 2)
+    assert not torch.equal(x.pow(1 / 3), x.float().pow(1 / 3).bfloat16())
+    assert not torch.equal(x.pow(-2.0), x.float().pow(-2.0).bfloat16())
+    for e in exps:
+        def step():
+            out = [x.mul(1).pow(e).mul(3), x.mul(2).pow_(e).add(1)]
+            out[0].sum().item()
+            return out
+
+        ref = step()
+        with ae.enabled(**IND):
+            hot(step)
+            d = Delta()
+            got = step()
+            assert d.replays >= 1 and not d.fallbacks, e
+        assert all(torch.equal(g, r) for g, r in zip(got, ref)), e
+
+
 def test_changing_float_is_lifted_not_recompiled():
     x = torch.randn(64)
     with ae.enabled(**IND):

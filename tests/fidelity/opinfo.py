@@ -214,8 +214,10 @@ _key = summary.key
 
 
 def sweep(ops, devices, backends, dtypes, kinds, limit, log_path, resume, progress=True,
-          summary_path=summary.SUMMARY):
-    done, started = set(), {}
+          summary_path=summary.SUMMARY, died=False):
+    """``died``: this sweep's previous child died; the op it began last is a crash. Any other op
+    begun and never finished (a sweep killed from outside, say at a session's end) runs again."""
+    done, started, last = set(), {}, None
     if resume and summary_path:
         done |= set(summary.read(summary_path))
     if resume and os.path.exists(log_path):
@@ -224,21 +226,18 @@ def sweep(ops, devices, backends, dtypes, kinds, limit, log_path, resume, progre
                 rec = json.loads(line)
                 k = _key(rec["op"], rec["device"], rec["backend"], rec["dtype"], rec["kind"])
                 if rec.get("begin"):
-                    started[k] = rec
+                    started[k], last = rec, k
                     done.discard(k)
-                elif rec.get("stopped"):
-                    started.pop(k, None)
-                    done.discard(k)
-                elif rec.get("end") or "status" in rec:
+                elif rec.get("end") or rec.get("begin") is False:
                     done.add(k)
     items = list(plan(ops, devices, backends, dtypes, kinds))
     if "neuron" in devices:
         import adaptive_eager.neuron  # noqa: F401 -- registers the device
     t0 = time.time()
     with open(log_path, "a" if resume else "w") as log:
-        # an op that began in an earlier process and never finished took the process down
+        # an op that the previous child began last and never finished took the child down
         for k, rec in started.items():
-            if k not in done:
+            if died and k == last and k not in done:
                 diff = _device_check(rec)
                 status, detail = (("device-bug", "the sweep process died while running this "
                                    f"op; plain eager on {rec['device']} differs from cpu "
@@ -274,37 +273,38 @@ def sweep(ops, devices, backends, dtypes, kinds, limit, log_path, resume, progre
 # ---------------------------------------------------------------------------- results
 
 
-def load(log_paths: str) -> list[dict]:
-    """The sample records of the logs (a comma list: sweeps run side by side, one device
-    each); where an op ran more than once, its last finished run's."""
-    runs: dict = {}
+def _runs(log_paths: str) -> dict:
+    """op key -> the sample records of its last finished run in the logs (a comma list: sweeps
+    run side by side, one device each). A run is finished by its end record, or by the crash
+    record a sweep writes for an op that took its child down; a run begun and never finished
+    (a sweep killed from outside) or stopped is not one."""
+    runs, open_runs = {}, {}
     for path in log_paths.split(","):
         with open(path) as f:
             for line in f:
                 rec = json.loads(line)
                 k = _key(rec["op"], rec["device"], rec["backend"], rec["dtype"], rec["kind"])
                 if rec.get("begin"):
-                    runs[k] = []
+                    open_runs[k] = []
                 elif rec.get("stopped"):
-                    runs.pop(k, None)
+                    open_runs.pop(k, None)
+                elif rec.get("end"):
+                    runs[k] = open_runs.pop(k, [])
+                elif rec.get("begin") is False:  # a crash record
+                    runs[k] = open_runs.pop(k, []) + [rec]
                 elif "status" in rec:
-                    runs.setdefault(k, []).append(rec)
-    return [rec for recs in runs.values() for rec in recs]
+                    open_runs.setdefault(k, []).append(rec)
+    return runs
+
+
+def load(log_paths: str) -> list[dict]:
+    """The sample records of the logs' finished op runs (the last run of each op)."""
+    return [rec for recs in _runs(log_paths).values() for rec in recs]
 
 
 def finished(log_paths: str) -> set:
     """Keys of the ops the logs hold a finished run of."""
-    done = set()
-    for path in log_paths.split(","):
-        with open(path) as f:
-            for line in f:
-                rec = json.loads(line)
-                k = _key(rec["op"], rec["device"], rec["backend"], rec["dtype"], rec["kind"])
-                if rec.get("end") or "status" in rec:
-                    done.add(k)
-                elif rec.get("begin") or rec.get("stopped"):
-                    done.discard(k)
-    return done
+    return set(_runs(log_paths))
 
 
 def logged(log_paths: str | None, summary_path: str | None) -> list[dict]:
@@ -466,6 +466,7 @@ def main(argv=None):
     p.add_argument("--compact", action="store_true",
                    help="run nothing: fold the op runs of --log into --summary")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--died", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--device-check", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--results", default=None,
                    help="write the summary here (default with --full: RESULTS.md)")
@@ -519,7 +520,7 @@ def main(argv=None):
         signal.signal(signal.SIGINT, _raise_stop)
         try:
             sweep(ops, lists["devices"], lists["backends"], lists["dtypes"], lists["kinds"],
-                  a.samples, a.log, a.resume, summary_path=a.summary)
+                  a.samples, a.log, a.resume, summary_path=a.summary, died=a.died)
         except _Stop:
             return _STOPPED
         return 0
@@ -528,13 +529,13 @@ def main(argv=None):
     # the op it died on, which is recorded as a crash.
     argv_child = [x for x in (argv if argv is not None else sys.argv[1:])
                   if x not in ("--full", "--resume")]
-    resume = a.resume
+    resume, died = a.resume, False
     for attempt in range(200):
         cmd = [sys.executable, "-m", "tests.fidelity.opinfo", *argv_child, "--child"]
         # a sweep that was not resumed runs what the summary holds again; a child resuming
         # after its predecessor died skips only what this sweep's log holds
         rc = _call_child(cmd + (["--resume"] if resume else [])
-                         + ([] if a.resume else ["--summary", ""]))
+                         + ([] if a.resume else ["--summary", ""]) + (["--died"] if died else []))
         if rc == 0:
             break
         if rc == _STOPPED:
@@ -542,7 +543,7 @@ def main(argv=None):
             return _STOPPED
         print(f"sweep process exited with {rc}: resuming after the op it was running",
               flush=True)
-        resume = True
+        resume = died = True
     records = load(a.log)
     out = a.results or (RESULTS if a.full else None)
     if out:  # --full reports the summary's op runs too
