@@ -1,0 +1,64 @@
+"""The hot path's dispatch key (Note [Below the floor], tracer/hot_key.py): its mechanism."""
+
+import pytest
+import torch
+
+from adaptive_eager.tracer import hot_key
+
+
+def _program(x, w):
+    y = (x * w + 1.5) - 0.25  # mul, add: kernels of ours; sub: the fallback
+    return torch.tanh(y).sum()
+
+
+def test_handed_back_ops_equal_eager_with_autograd():
+    x = torch.randn(16, 8)
+    w = torch.randn(16, 8, requires_grad=True)
+    ref = _program(x, w)
+    (ref_grad,) = torch.autograd.grad(ref, w)
+    calls, back = hot_key.counts()
+    with hot_key.switched_on("hand-back"):
+        got = _program(x, w)
+        (grad,) = torch.autograd.grad(got, w)
+    new_calls, new_back = hot_key.counts()
+    assert torch.equal(got, ref) and torch.equal(grad, ref_grad)
+    assert got.grad_fn is not None  # autograd recorded the ops above the key
+    # forward: mul and add reached our kernels, sub, tanh and sum the fallback; backward too
+    assert new_calls - calls >= 2 and new_back - back >= 3
+
+
+def test_allocate_gives_the_first_tensor_arguments_metadata_and_runs_nothing():
+    x = torch.randn(4, 6).t()
+    out = torch.zeros(1)
+    with hot_key.switched_on("allocate"):
+        y = x * 2.0
+    assert y.shape == x.shape and y.stride() == x.stride() and y.dtype == x.dtype
+    with hot_key.switched_on("canned", out):
+        z = x + 1.0
+    assert z is out or z.data_ptr() == out.data_ptr()
+
+
+def test_key_is_switched_off_after_and_on_error():
+    m = hot_key.load()
+    assert not m.is_on()
+    with pytest.raises(RuntimeError, match="boom"):
+        with hot_key.switched_on("hand-back"):
+            assert m.is_on()
+            raise RuntimeError("boom")
+    assert not m.is_on()
+    assert torch.equal(torch.ones(3) * 2, torch.full((3,), 2.0))
+
+
+def test_bad_action_is_one_line_naming_the_accepted_ones():
+    with pytest.raises(ValueError, match=r"'fast'.*hand-back, canned, allocate"):
+        with hot_key.switched_on("fast"):
+            pass
+
+
+def test_below_floor_benchmark_measures_every_way():
+    from benchmarks import below_floor
+
+    res = below_floor.measure(reps=1, n=5)
+    assert set(res) == {"eager", "python floor", "key canned", "key allocate", "key boxed",
+                        "key hand-back"}
+    assert all(v > 0 for v in res.values())
