@@ -8,6 +8,27 @@ generated from ATen's operator structs, and a boxed fallback that hands every ot
 (runs it below the key, counted). This module loads it and switches it on and off; what its
 kernels do is an ``action`` chosen for measuring the mechanism (benchmarks/below_floor.py).
 The engine's hot segments do not use it yet.
+
+What the mechanism taught, for wiring it into hot segments (each tried here, torch 2.13):
+
+* The key sits below the mode: the Python key has priority over every backend's dense key,
+  so while the engine's mode is pushed, ops reach our kernels only if Python (and
+  PythonTLSSnapshot, above autograd) are excluded in the thread.
+* A change to the thread's key sets made inside a dispatcher call does not outlive the call:
+  ``ExcludeDispatchKeyGuard`` and ``IncludeDispatchKeyGuard`` save the whole set and restore
+  it, and autograd's kernels hold one above every op. A kernel (or the mode) that excludes
+  Python to engage the key, or un-excludes it to hand a diverged op back, finds the change
+  undone when the op returns; only the engine's own Python, outside any op (``ae.enabled``,
+  a boundary it runs), can switch the sets reliably. So divergence must be a flag the kernels
+  read (run below, or call the mode themselves) rather than a switch of the key sets.
+* Ops with a ``CompositeExplicitAutograd`` kernel never meet the boxed fallback: that kernel
+  serves every backend, ours included, and decomposes the op (``sub.Tensor`` arrives as
+  ``sub.out``). Handing an op back to the mode as the op the user called needs a kernel of
+  ours registered for it, not the fallback.
+* Another route with none of these problems: kernels of ours on the Python key itself, for
+  the hot ops only (an op's kernel takes precedence over the Python key's fallback), doing
+  what the fallback does (call the mode) whenever the thread is not replaying a hot path.
+  Its cost is PythonTLSSnapshot's boxed fallback above autograd, which stays.
 """
 
 from __future__ import annotations
