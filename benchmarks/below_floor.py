@@ -11,6 +11,8 @@ timed without a sync: the ops only), per op, best of repeats:
     key allocate   our unboxed kernel allocates a fresh output (CPU's empty_strided)
     key boxed      the boxed fallback returns a preallocated tensor (ops with no kernel)
     key hand-back  our kernel runs the op below the key (a diverged op's cost)
+    key routed     engaged under the floor's mode: our kernel sends the op to the mode (what
+                   the key adds to an op the mode serves)
 
     python -m benchmarks.below_floor [--grad]
 """
@@ -86,6 +88,11 @@ def measure(grad: bool = False, reps: int = 7, n: int = 200) -> dict[str, float]
                     with hot_key.switched_on(action, out):
                         chain(x)
                 res[name] = _per_op(keyed, reps, n)
+
+            def routed():
+                with _Floor(out), hot_key.engaged("route"):
+                    _chain(x)
+            res["key routed"] = _per_op(routed, reps, n)
     finally:
         torch.set_num_threads(threads)
     return res

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from adaptive_eager.tracer import hot_key
 
@@ -60,5 +61,43 @@ def test_below_floor_benchmark_measures_every_way():
 
     res = below_floor.measure(reps=1, n=5)
     assert set(res) == {"eager", "python floor", "key canned", "key allocate", "key boxed",
-                        "key hand-back"}
+                        "key hand-back", "key routed"}
     assert all(v > 0 for v in res.values())
+
+
+class _Recording(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def test_engaged_key_routes_every_op_to_the_mode_as_the_user_called_it():
+    # engaged, the mode's keys are excluded: ops reach the mode through our kernels, with
+    # the op the user called (sub.Tensor, not the sub.out its composite kernel would call),
+    # values and gradients as eager, and the thread's key sets as before on exit
+    x = torch.randn(8)
+    w = torch.randn(8, requires_grad=True)
+
+    def program():
+        z = torch.tanh((x * w) - 1).sum()
+        return z, torch.autograd.grad(z, w)[0]
+
+    ref = program()
+    include = torch._C._dispatch_tls_local_include_set()
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    with _Recording() as plain:
+        program()
+    with _Recording() as routed:
+        with hot_key.engaged():
+            got = program()
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    aten = torch.ops.aten
+    # autograd's saved outputs are detached only where a mode is seen as active
+    assert routed.seen == [f for f in plain.seen if f is not aten.detach.default]
+    assert aten.sub.Tensor in routed.seen and aten.sub.out not in routed.seen
+    assert torch._C._dispatch_tls_local_include_set() == include
+    assert torch._C._dispatch_tls_local_exclude_set() == exclude
