@@ -84,8 +84,10 @@ VARIABLES: tuple[Var, ...] = (
         "on a thread of this process."),
     Var("NEURON_ADAPTIVE_EAGER_HOT_PATH", "hot_path", "choice", "cpp",
         "How a hot path checks and records each op: `cpp` (compiled, built once with the "
-        "machine's compiler; ops it cannot serve use Python, counted) or `python` (generated "
-        "Python, needing no compiler).", choices=("cpp", "python")),
+        "machine's compiler; ops it cannot serve use Python, counted), `python` (generated "
+        "Python, needing no compiler) or `key` (experimental: as `cpp`, with every op "
+        "reaching the engine through a dispatch key of its own below autograd, the way to "
+        "serving hot ops without Python; no faster yet).", choices=("cpp", "python", "key")),
     Var("NEURON_EMULATOR_LAUNCH_US", "emulator_launch_us", "float", 10.0,
         "Modelled launch latency of the emulated `neuron` device, in microseconds, paid per "
         "launch on the device's timeline (not by the host); see README, The neuron device.",

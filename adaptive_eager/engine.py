@@ -95,13 +95,30 @@ class Engine:
             if (config.backend, config.devices) != (m.config.backend, m.config.devices):
                 m.reset_state()
             m.configure(config)
+            self._engage(config.hot_path == "key")
             return
         if (config.backend, config.devices) != (m.config.backend, m.config.devices):
             m.reset_state()
         m.configure(config)
         m.__enter__()
         self.local.active = True
+        self._engage(config.hot_path == "key")
         readguard.count_reads(self, True)
+
+    def _engage(self, on: bool) -> None:
+        """Ops reach this thread's mode through the hot path's dispatch key (``hot_path`` key),
+        or not. Switched here, in the engine's Python, outside any op: Note [Below the
+        floor]."""
+        engaged = getattr(self.local, "engaged", None)
+        if on == (engaged is not None):
+            return
+        from adaptive_eager.tracer import hot_key
+
+        if on:
+            self.local.engaged = hot_key.engage(self.local.mode)
+        else:
+            hot_key.disengage(engaged)
+            self.local.engaged = None
 
     def disable(self) -> None:
         m = self.mode()
@@ -110,6 +127,7 @@ class Engine:
         if not m.governor.release(m):  # stepped aside (Note [Stepping aside]): not on the stack
             m.boundary("disable")
             self.local.active = False
+            self._engage(False)
             readguard.count_reads(self, False)
             return
         stack = _get_current_dispatch_mode_stack()
@@ -121,6 +139,7 @@ class Engine:
         try:
             m.boundary("disable")
         finally:
+            self._engage(False)
             m.__exit__(None, None, None)
             self.local.active = False
             readguard.count_reads(self, False)

@@ -13,6 +13,8 @@ timed without a sync: the ops only), per op, best of repeats:
     key hand-back  our kernel runs the op below the key (a diverged op's cost)
     key routed     engaged under the floor's mode: our kernel sends the op to the mode (what
                    the key adds to an op the mode serves)
+    key direct     the same, our kernel calling the mode's handler itself, not through the
+                   Python key (what the engine does with NEURON_ADAPTIVE_EAGER_HOT_PATH=key)
 
     python -m benchmarks.below_floor [--grad]
 """
@@ -93,6 +95,11 @@ def measure(grad: bool = False, reps: int = 7, n: int = 200) -> dict[str, float]
                 with _Floor(out), hot_key.engaged("route"):
                     _chain(x)
             res["key routed"] = _per_op(routed, reps, n)
+
+            def direct():
+                with _Floor(out) as floor, hot_key.engaged("route", floor):
+                    _chain(x)
+            res["key direct"] = _per_op(direct, reps, n)
     finally:
         torch.set_num_threads(threads)
     return res

@@ -61,7 +61,7 @@ def test_below_floor_benchmark_measures_every_way():
 
     res = below_floor.measure(reps=1, n=5)
     assert set(res) == {"eager", "python floor", "key canned", "key allocate", "key boxed",
-                        "key hand-back", "key routed"}
+                        "key hand-back", "key routed", "key direct"}
     assert all(v > 0 for v in res.values())
 
 
@@ -77,14 +77,17 @@ class _Recording(TorchDispatchMode):
 
 def test_engaged_key_routes_every_op_to_the_mode_as_the_user_called_it():
     # engaged, the mode's keys are excluded: ops reach the mode through our kernels, with
-    # the op the user called (sub.Tensor, not the sub.out its composite kernel would call),
+    # the op the user called (sub.Tensor, not the sub.out its composite kernel would call;
+    # factories, before they pick a backend),
     # values and gradients as eager, and the thread's key sets as before on exit
     x = torch.randn(8)
     w = torch.randn(8, requires_grad=True)
 
     def program():
         z = torch.tanh((x * w) - 1).sum()
-        return z, torch.autograd.grad(z, w)[0]
+        torch.manual_seed(0)
+        noise = torch.randperm(8)  # a factory consuming the generator: the mode must see it
+        return z, torch.autograd.grad(z, w)[0], noise
 
     ref = program()
     include = torch._C._dispatch_tls_local_include_set()
@@ -94,10 +97,11 @@ def test_engaged_key_routes_every_op_to_the_mode_as_the_user_called_it():
     with _Recording() as routed:
         with hot_key.engaged():
             got = program()
-    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    assert all(torch.equal(g, r) for g, r in zip(got, ref))
     aten = torch.ops.aten
     # autograd's saved outputs are detached only where a mode is seen as active
     assert routed.seen == [f for f in plain.seen if f is not aten.detach.default]
     assert aten.sub.Tensor in routed.seen and aten.sub.out not in routed.seen
+    assert aten.randperm.default in routed.seen
     assert torch._C._dispatch_tls_local_include_set() == include
     assert torch._C._dispatch_tls_local_exclude_set() == exclude

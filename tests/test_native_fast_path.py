@@ -78,6 +78,18 @@ def test_compiled_and_generated_fast_paths_agree(monkeypatch):
     assert sum(left.values()) == kinds_c["function"] and all("(" in k for k in left)
 
 
+def test_ops_through_the_dispatch_key_equal_eager(monkeypatch):
+    # NEURON_ADAPTIVE_EAGER_HOT_PATH=key (Note [Below the floor]): every op reaches the mode
+    # through the hot path's dispatch key, and the program's values are eager's, replayed
+    got, w, s, _ = run("key", monkeypatch)
+    step, want, w_eager = program()
+    for i in range(8):
+        step(i)
+    assert [g[0] for g in got] == [x[0] for x in want]
+    assert all(torch.equal(g[1], x[1]) for g, x in zip(got, want))
+    assert torch.equal(w, w_eager) and s.replays > 0
+
+
 @pytest.mark.parametrize("hot_path", ["cpp", "python"])
 def test_a_call_that_differs_misses_and_changes_nothing(hot_path, monkeypatch):
     # A hot path whose op gets another tensor than the one it expects (the program switched

@@ -2,35 +2,39 @@
 
 Note [Below the floor]: a Python dispatch mode costs ~3.5 µs per op before the engine does
 any work (the Python floor), which on cpu is most of an eager op's cost. A dispatch key of
-ours (PrivateUse3), included in the thread's dispatch key set while a path is hot, takes each
-op after autograd recorded it, in C++ (``csrc/hot_key.cpp``): unboxed kernels, one per op,
-generated from ATen's operator structs, and a boxed fallback that hands every other op back
-(runs it below the key, counted). This module loads it and switches it on and off; what its
-kernels do is an ``action`` chosen for measuring the mechanism (benchmarks/below_floor.py).
-The engine's hot segments do not use it yet.
+ours, included in the thread's dispatch key set, takes each op after autograd recorded it, in
+C++ (``csrc/hot_key.cpp``): unboxed kernels, one per op, generated from ATen's operator
+structs, and a boxed fallback for every other op. The key is ``Fake``, the one functionality
+key between BackendSelect and Python. This module loads it and switches it on and off; what
+its kernels do is an ``action``, chosen for measuring the mechanism
+(benchmarks/below_floor.py) or ``route`` for the engine (``NEURON_ADAPTIVE_EAGER_HOT_PATH=
+key``), where every op reaches the mode through the key. No hot op is served in C++ yet.
 
-What the mechanism taught, for wiring it into hot segments (each tried here, torch 2.13):
+What the mechanism taught (each tried here, torch 2.13):
 
-* The key sits below the mode: the Python key has priority over every backend's dense key,
-  so while the engine's mode is pushed, ops reach our kernels only if Python (and
-  PythonTLSSnapshot, above autograd) are excluded in the thread: ``engaged()``. Our kernels
-  then route each op to the mode (a boxed redispatch to PythonTLSSnapshot and Python, with
-  those keys un-excluded for the call so that the mode counts as active in it), or run it
-  below when no mode is on the stack (inside the mode's handling, which pops it): the mode
-  sees the ops it saw without the key, except autograd's ``detach`` of saved outputs, which
-  autograd issues only where a mode is seen as active.
+* The key sits below the mode: the Python key has priority, so while the engine's mode is
+  pushed, ops reach our kernels only if Python (and PythonTLSSnapshot, above autograd) are
+  excluded in the thread: ``engage()``. Our kernels then route each op to the mode (a boxed
+  redispatch to PythonTLSSnapshot and Python, those keys un-excluded for the call so that the
+  mode counts as active in it), or run it below when no mode is on the stack (inside the
+  mode's handling, which pops it). The mode sees the ops it saw without the key.
+* PyTorch asks "is a dispatch mode active?" (Python not excluded, a mode on the stack) in
+  places and takes another path when one is: engaged, it sees none, so autograd no longer
+  detaches saved outputs for the mode and gives sgn's gradient as plain eager does (zeros,
+  not a zero tensor); composite ops take plain eager's path, not the subclass path (Note
+  [Any dispatch mode], tests/fidelity/harness.py).
 * A change to the thread's key sets made inside a dispatcher call does not outlive the call:
   ``ExcludeDispatchKeyGuard`` and ``IncludeDispatchKeyGuard`` save the whole set and restore
-  it, and autograd's kernels hold one above every op. A kernel (or the mode) that engaged or
-  disengaged the key would find the change undone when the op returns; only the engine's own
-  Python, outside any op (``ae.enabled``), can switch the sets reliably. So divergence must be
-  a flag the kernels read (route to the mode), not a switch of the key sets.
-* Ops with a composite kernel for every backend (``CompositeExplicitAutograd``) would reach
-  the key decomposed (``sub.Tensor`` as ``sub.out``, ``detach`` not at all): the boxed kernel
-  is registered by name for each of them (``register_composites``: ~1,500 aten ops), so the
-  mode sees the op the user called.
-* Boxing is cheap: a boxed kernel of ours costs what an unboxed one does (0.64 against 0.61 µs
-  an op returning a preallocated tensor), so hot ops may be served by one boxed kernel.
+  it, and autograd's kernels hold one above every op. Only the engine's own Python, outside
+  any op (``ae.enable``/``disable``), can engage or disengage the key; a divergence must be a
+  flag the kernels read, not a switch of the key sets.
+* Why not a backend key (PrivateUse3, tried first): its backend bit joins every call, so
+  factory functions, whose BackendSelect kernel picks the backend from their options, never
+  reach it (``randperm`` would consume the generator behind the engine's back); ops with a
+  composite kernel for every backend reach it decomposed (``sub.Tensor`` as ``sub.out``);
+  and sparse, quantized and nested tensors' ops land on its per-backend keys.
+* Boxing is cheap: a boxed kernel of ours costs about what an unboxed one does, so hot ops
+  may be served by one boxed kernel.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ import torch
 
 from adaptive_eager import cpp_build
 
-__all__ = ["ACTIONS", "counts", "engaged", "load", "switched_on"]
+__all__ = ["ACTIONS", "counts", "disengage", "engage", "engaged", "load", "switched_on"]
 
 ACTIONS = {"hand-back": 0, "canned": 1, "allocate": 2, "route": 3}
 _CSRC = Path(__file__).with_name("csrc")
@@ -50,15 +54,12 @@ _module = None
 
 
 def load():
-    """The built extension (built first if needed), its routing registered for the ops with a
-    composite kernel for every backend."""
+    """The built extension (built first if needed)."""
     global _module
     if _module is None:
-        m = cpp_build.build("hot_key", [_CSRC / "hot_key.cpp"], who="adaptive_eager",
-                            what="the hot path's dispatch key",
-                            instead="leave the hot path's dispatch key off")
-        m.register_composites()
-        _module = m
+        _module = cpp_build.build("hot_key", [_CSRC / "hot_key.cpp"], who="adaptive_eager",
+                                  what="the hot path's dispatch key",
+                                  instead="leave the hot path's dispatch key off")
     return _module
 
 
@@ -78,18 +79,32 @@ def switched_on(action: str = "hand-back", canned: torch.Tensor | None = None):
 
 
 @contextlib.contextmanager
-def engaged(action: str = "route"):
+def engaged(action: str = "route", mode=None):
     """Under a dispatch mode: the key engaged in this thread (the mode's keys excluded), its
-    kernels doing ``action``. Enter and exit from Python, outside any op."""
+    kernels doing ``action``; ``mode``, if given, is called directly while it is on top of
+    the stack. Enter and exit from Python, outside any op."""
     if action not in ACTIONS:
         raise ValueError(f"hot key action {action!r}: expected one of {', '.join(ACTIONS)}")
     m = load()
     m.set_action(ACTIONS[action], None)
-    was = m.set_engaged(True)
+    was = m.set_engaged(True, mode)
     try:
         yield m
     finally:
         m.set_engaged(was)
+
+
+def engage(mode=None):
+    """Engage the key in this thread, routing every op to the dispatch mode (the engine's
+    ``hot_path`` key); ``mode``, the engine's, is called directly when it is on top of the
+    stack. Returns what ``disengage`` restores."""
+    m = load()
+    m.set_action(ACTIONS["route"], None)
+    return m.set_engaged(True, mode)
+
+
+def disengage(was) -> None:
+    load().set_engaged(was)
 
 
 def counts() -> tuple[int, int]:

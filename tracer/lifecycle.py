@@ -392,7 +392,7 @@ def graph_for(mode, path: Path, live: tuple):
             log.debug("cache hit graph%d %r", path.gid, key)
         if graph.mutates_external and written_input_aliased(
                 graph.plan, seg.exts,
-                native.alias_groups if mode.config.hot_path == "cpp" else alias_groups):
+                native.alias_groups if mode.config.hot_path != "python" else alias_groups):
             counters.fallback("a written input aliases another input: replayed exactly")
             return None
         if 0.0 in variant[2] and not same_zero_signs(graph.spec_values, variant[2]):
@@ -439,7 +439,7 @@ def written_input_aliased(the_plan, exts, groups_of=alias_groups) -> bool:
 def _mark_hot(mode, end: Node) -> None:
     """A graph for the path ending at ``end`` is ready: make the path deferrable."""
     nodes = end.chain()
-    compiled = mode.config.hot_path == "cpp"
+    compiled = mode.config.hot_path != "python"
     for n in nodes:
         if n.fast is None:
             n.fast, why = native.make_fast(n, n.parent.n_ext) if compiled else (None, "")

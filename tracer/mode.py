@@ -86,7 +86,7 @@ class AdaptiveEagerMode(TorchDispatchMode):
         # The compiled hot path enters through a compiled ``__torch_dispatch__`` (the same
         # steps as ``_dispatch``, below) bound to this mode: no Python frame per op.
         # The launch's bookkeeping over the segment's values, compiled alike.
-        if config.hot_path == "cpp":
+        if config.hot_path in ("cpp", "key"):
             from . import native
 
             self.__torch_dispatch__ = native.dispatcher(self, _EMPTY)

@@ -1,61 +1,56 @@
 // Stage 2 of the compiled hot path, its mechanism (Note [Below the floor]): a dispatch key
-// below autograd that the engine switches on in thread-local state while a path is hot, so
-// that each op reaches an unboxed C++ kernel of ours instead of the Python dispatch mode.
+// below autograd and above every backend, included in the thread's dispatch key set, so that
+// each op reaches a C++ kernel of ours instead of the Python dispatch mode.
 //
-// The key is PrivateUse3. Included in the thread's dispatch key set, its backend bit is the
-// highest one of every call, so autograd (AutogradPrivateUse3: autograd's kernels serve every
-// backend) records its node as usual and redispatches to our kernel for the dense key. The
-// kernels are generated at compile time from ATen's operator structs (at::_ops::<op>::schema
-// is the unboxed signature), one template instantiation per op; an op without a kernel of
-// ours meets the boxed fallback, which hands it back: it runs below our key, as if the key
-// were off, and is counted.
+// The key is ``Fake``: the one functionality key between BackendSelect and Python (reserved
+// for a C++ fake-tensor mode that nothing registers in this PyTorch; loading fails loudly if
+// something already did). Being above BackendSelect, it sees factory functions before they
+// pick a backend; being a functionality key and no backend, it sees every op as called: no
+// composite kernel decomposes it first, whatever the tensors' layout. Autograd records its
+// node above it as usual.
 //
-// Engaged (set_engaged, from Python outside any op: Note [Below the floor]), the mode's keys are
-// excluded from the thread's dispatch and the key included: every op below autograd reaches
-// a kernel of ours, and goes to the dispatch mode on top of the stack from there (ROUTE), or
-// runs below when no mode is on the stack (inside the mode's own handling, which pops it).
-// Ops with a composite kernel for every backend would reach us decomposed, so the boxed
-// routing is registered for each of them by name (register_composites).
-//
-// What a kernel does is chosen per process (set_action), for measuring the mechanism itself:
+// Kernels: unboxed ones for a few ops, generated from ATen's operator structs
+// (at::_ops::<op>::schema is the signature, one template instantiation per op), and a boxed
+// fallback for every other op. What they do is chosen per process (set_action):
 //   0 HANDBACK  run the op below our key (what every op did without it)
-//   1 CANNED    return a preallocated tensor (the cost of reaching the kernel; in the boxed
-//               fallback, the cost of reaching a boxed kernel)
+//   1 CANNED    return a preallocated tensor (the cost of reaching the kernel)
 //   2 ALLOCATE  return a fresh tensor shaped like the first tensor argument (the cost of
 //               reaching the kernel and allocating its output with CPU's own allocator)
-//   3 ROUTE     send the op to the dispatch mode (what engaging costs an op the mode serves)
+//   3 ROUTE     send the op to the dispatch mode on top of the stack, or run it below when no
+//               mode is on the stack (inside the mode's own handling, which pops it)
+// Engaged (set_engaged, from Python outside any op), the mode's keys are also excluded, so
+// that every op reaches our kernels first, and ROUTE sends it on to the mode.
 #include <torch/extension.h>
 #include <ATen/Operators.h>
 #include <ATen/EmptyTensor.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/PyInterpreter.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
+#include <torch/csrc/utils/tensor_memoryformats.h>
+#include <torch/csrc/utils/torch_dispatch_mode.h>
 
 #include <atomic>
 #include <type_traits>
 
 namespace {
 
-constexpr auto kKey = c10::DispatchKey::PrivateUse3;
+constexpr auto kKey = c10::DispatchKey::Fake;
+constexpr auto kPython = c10::DispatchKey::Python;
+constexpr auto kSnapshot = c10::DispatchKey::PythonTLSSnapshot;
 
 int g_action = 0;
 at::Tensor g_canned;
 std::atomic<int64_t> g_kernel_calls{0}, g_handed_back{0};
 
-// An op handed back runs below our key, and so does every op it calls: the key is off in the
-// thread while it runs. (Only the backend bit is taken out of the call's key set: the key's
-// functionality is Dense, which the op's own backend needs.)
+// An op run below our key, and every op it calls, with the key off in the thread.
 struct KeyOff {
   bool was = c10::impl::tls_is_dispatch_key_included(kKey);
   KeyOff() { c10::impl::tls_set_dispatch_key_included(kKey, false); }
   ~KeyOff() { c10::impl::tls_set_dispatch_key_included(kKey, was); }
 };
-
-c10::DispatchKeySet below(c10::DispatchKeySet ks) {
-  return ks.remove_backend(c10::BackendComponent::PrivateUse3Bit);
-}
-
-constexpr auto kPython = c10::DispatchKey::Python;
-constexpr auto kSnapshot = c10::DispatchKey::PythonTLSSnapshot;
 
 // The mode's keys un-excluded while an op goes to the mode: PythonTLSSnapshot records the
 // thread's key sets for the mode's handling, and the mode counts as active only where
@@ -73,14 +68,134 @@ struct ModeKeysOn {
   }
 };
 
+bool has_python_tensor(const torch::jit::Stack& stack, size_t n) {
+  for (const auto& v : torch::jit::last(stack, n)) {
+    if (v.isTensor() && v.toTensor().key_set().has(kPython)) return true;
+    if (v.isTensorList()) {
+      for (const auto& t : v.toTensorList()) {
+        if (static_cast<at::Tensor>(t).key_set().has(kPython)) return true;
+      }
+    }
+  }
+  return false;
+}
+
+// The engaged engine's mode and its __torch_dispatch__ (both held by the engine while
+// engaged): an op routed to the engine's mode, when it is on top of the stack, calls its
+// handler directly, doing what the Python key's fallback would (the mode off the stack and
+// the keys above Python excluded while it handles the op) without the trip through
+// PythonTLSSnapshot, the Python key and PyTorch's generic __torch_dispatch__ protocol.
+thread_local PyObject* t_mode = nullptr;
+thread_local PyObject* t_handler = nullptr;
+PyObject* g_no_types = nullptr;
+
+constexpr c10::DispatchKeySet kAbovePython =
+    (c10::DispatchKeySet(c10::DispatchKeySet::FULL) ^
+     (c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kPython) | c10::DispatchKeySet(kPython)))
+        .remove(c10::DispatchKey::ZeroTensor)
+        .remove(c10::DispatchKey::Conjugate)
+        .remove(c10::DispatchKey::Negative);
+
+// An argument as the mode receives it from the Python key: dtypes, layouts and memory
+// formats (integers in an IValue) as their Python objects.
+pybind11::object to_python(const c10::Argument& arg, c10::IValue v) {
+  if (v.isInt()) {
+    c10::TypePtr t = arg.real_type();
+    if (auto opt = t->cast<c10::OptionalType>()) t = opt->getElementType();
+    switch (t->kind()) {
+      case c10::TypeKind::ScalarTypeType:
+        return pybind11::reinterpret_borrow<pybind11::object>(
+            (PyObject*)torch::getTHPDtype(static_cast<at::ScalarType>(v.toInt())));
+      case c10::TypeKind::LayoutType:
+        return pybind11::reinterpret_borrow<pybind11::object>(
+            (PyObject*)torch::getTHPLayout(static_cast<at::Layout>(v.toInt())));
+      case c10::TypeKind::MemoryFormatType:
+        return pybind11::reinterpret_borrow<pybind11::object>(
+            torch::utils::getTHPMemoryFormat(static_cast<at::MemoryFormat>(v.toInt())));
+      default:
+        break;
+    }
+  }
+  return torch::jit::toPyObject(std::move(v));
+}
+
+// (args, kwargs) as the Python key's fallback builds them: positional arguments up to the
+// keyword-only ones, trailing defaults left out; keyword-only ones that differ from their
+// defaults as keywords.
+std::pair<pybind11::tuple, pybind11::dict> python_call(const c10::FunctionSchema& schema,
+                                                       std::vector<c10::IValue>& values) {
+  const auto& params = schema.arguments();
+  size_t kw_start = values.size();
+  while (kw_start > 0 && params[kw_start - 1].kwarg_only()) kw_start--;
+  auto is_default = [&](size_t i) {
+    const auto& d = params[i].default_value();
+    return d.has_value() && *d == values[i];
+  };
+  size_t n_pos = kw_start;
+  while (n_pos > 0 && is_default(n_pos - 1)) n_pos--;
+  pybind11::tuple args(n_pos);
+  for (size_t i = 0; i < n_pos; i++) args[i] = to_python(params[i], std::move(values[i]));
+  pybind11::dict kwargs;
+  for (size_t i = kw_start; i < values.size(); i++) {
+    if (!is_default(i)) kwargs[params[i].name().c_str()] = to_python(params[i], std::move(values[i]));
+  }
+  return {std::move(args), std::move(kwargs)};
+}
+
+// The mode's result onto the stack, as the op's returns.
+void push_result(const c10::FunctionSchema& schema, torch::jit::Stack* stack,
+                 pybind11::handle out) {
+  const auto& returns = schema.returns();
+  if (returns.empty()) return;
+  if (returns.size() == 1) {
+    stack->push_back(torch::jit::toIValue(out, returns[0].real_type()));
+    return;
+  }
+  pybind11::tuple items = pybind11::reinterpret_borrow<pybind11::tuple>(out);
+  TORCH_CHECK(items.size() == returns.size(), "adaptive_eager hot key: ", schema.name(),
+              " returned ", items.size(), " values, its schema ", returns.size());
+  for (size_t i = 0; i < returns.size(); i++)
+    stack->push_back(torch::jit::toIValue(items[i], returns[i].real_type()));
+}
+
+bool to_engine(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  if (t_handler == nullptr) return false;
+  auto n = c10::impl::TorchDispatchModeTLS::stack_len();
+  if (n == 0 || c10::impl::TorchDispatchModeTLS::get_stack_at(n - 1)->ptr(
+                    getPyInterpreter()) != t_mode)
+    return false;
+  torch::torch_dispatch_mode::StashTorchDispatchModeGuard stash;
+  c10::impl::ExcludeDispatchKeyGuard above(kAbovePython);
+  pybind11::gil_scoped_acquire gil;
+  const auto& schema = op.schema();
+  auto values = torch::jit::pop(*stack, schema.arguments().size());
+  auto [args, kwargs] = python_call(schema, values);
+  pybind11::handle func = torch::detail::getTorchApiFunction(op);
+  PyObject* argv[4] = {func.ptr(), g_no_types, args.ptr(), kwargs.ptr()};
+  PyObject* out = PyObject_Vectorcall(t_handler, argv, 4, nullptr);
+  if (out == nullptr) throw python_error();
+  auto result = pybind11::reinterpret_steal<pybind11::object>(out);
+  push_result(schema, stack, result);
+  return true;
+}
+
 void route(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
-  if (c10::impl::TorchDispatchModeTLS::stack_len() == 0) {  // inside the mode's handling
+  if (to_engine(op, stack)) return;
+  auto below = ks.remove(kKey);
+  if (c10::impl::TorchDispatchModeTLS::stack_len() == 0) {
+    // inside the mode's handling: run below, a tensor subclass's own dispatch included
+    if (has_python_tensor(*stack, op.schema().arguments().size())) {
+      ModeKeysOn on;
+      KeyOff off;
+      op.redispatchBoxed(below.add(kPython).add(kSnapshot), stack);
+      return;
+    }
     KeyOff off;
-    op.redispatchBoxed(below(ks), stack);
+    op.redispatchBoxed(below, stack);
     return;
   }
   ModeKeysOn on;
-  op.redispatchBoxed(below(ks).add(kPython).add(kSnapshot), stack);
+  op.redispatchBoxed(below.add(kPython).add(kSnapshot), stack);
 }
 
 template <class T>
@@ -100,6 +215,8 @@ const at::Tensor& first_tensor(const A&... a) {
   return *found;
 }
 
+void boxed(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack);
+
 template <class Op, class Sig = typename Op::schema>
 struct Hot;
 
@@ -112,20 +229,20 @@ struct Hot<Op, at::Tensor(A...)> {
       const at::Tensor& t = first_tensor(a...);
       return at::detail::empty_strided_cpu(t.sizes(), t.strides(), t.scalar_type());
     }
-    if (g_action == 3) {
-      if (c10::impl::TorchDispatchModeTLS::stack_len() == 0) {
-        KeyOff off;
-        return Op::redispatch(below(ks), a...);
-      }
-      ModeKeysOn on;
-      return Op::redispatch(below(ks).add(kPython).add(kSnapshot), a...);
+    if (g_action == 3) {  // boxed, as the fallback routes every other op
+      static const auto handle =
+          c10::Dispatcher::singleton().findSchemaOrThrow(Op::name, Op::overload_name);
+      torch::jit::Stack stack;
+      torch::jit::push(stack, a...);
+      route(handle, ks, &stack);
+      return std::move(stack.back()).toTensor();
     }
     KeyOff off;
-    return Op::redispatch(below(ks), a...);
+    return Op::redispatch(ks.remove(kKey), a...);
   }
 };
 
-void hand_back(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+void boxed(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
   if (g_action == 3) {
     route(op, ks, stack);
     return;
@@ -137,10 +254,10 @@ void hand_back(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit
   }
   g_handed_back.fetch_add(1, std::memory_order_relaxed);
   KeyOff off;
-  op.redispatchBoxed(below(ks), stack);
+  op.redispatchBoxed(ks.remove(kKey), stack);
 }
 
-// The ops with a kernel of ours (the prototype's: the chain benchmarks' elementwise ops)
+// The ops with an unboxed kernel of ours (the prototype's: the chain benchmarks' ops)
 #define AE_HOT_OPS(X) X(add_Tensor) X(mul_Tensor)
 
 std::string op_name(const char* qualified, const char* overload) {
@@ -153,38 +270,12 @@ std::string op_name(const char* qualified, const char* overload) {
   m.impl(op_name(at::_ops::OP::name, at::_ops::OP::overload_name).c_str(), \
          TORCH_FN(Hot<at::_ops::OP>::call));
 
-TORCH_LIBRARY_IMPL(aten, PrivateUse3, m) {
+TORCH_LIBRARY_IMPL(aten, Fake, m) {
   AE_HOT_OPS(AE_IMPL)
 }
 
-TORCH_LIBRARY_IMPL(_, PrivateUse3, m) {
-  m.fallback(torch::CppFunction::makeFromBoxedFunction<&hand_back>());
-}
-
-std::unique_ptr<torch::Library> g_composites;
-
-// The boxed fallback registered by name for every aten op that has a composite kernel for
-// all backends and no implicit one (whose autograd would then be lost), and no kernel of ours.
-int64_t register_composites() {
-  if (g_composites) return 0;
-  g_composites = std::make_unique<torch::Library>(torch::Library::IMPL, "aten", kKey, __FILE__,
-                                                  __LINE__);
-  auto& dispatcher = c10::Dispatcher::singleton();
-  int64_t n = 0;
-  for (const auto& name : dispatcher.getAllOpNames()) {
-    if (name.name.rfind("aten::", 0) != 0) continue;
-    auto op = dispatcher.findOp(name);
-    if (!op || op->hasKernelForDispatchKey(kKey) ||
-        op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd))
-      continue;
-    if (!op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) &&
-        !op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional))
-      continue;
-    g_composites->impl(op_name(name.name.c_str(), name.overload_name.c_str()).c_str(),
-                       torch::CppFunction::makeFromBoxedFunction<&hand_back>());
-    ++n;
-  }
-  return n;
+TORCH_LIBRARY_IMPL(_, Fake, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&boxed>());
 }
 
 void set_action(int64_t action, std::optional<at::Tensor> canned) {
@@ -196,18 +287,25 @@ void set_action(int64_t action, std::optional<at::Tensor> canned) {
 
 void set_on(bool on) { c10::impl::tls_set_dispatch_key_included(kKey, on); }
 
+bool is_on() { return c10::impl::tls_is_dispatch_key_included(kKey); }
+
 // Engaged: the key on and the mode's keys excluded, in this thread (call from Python, outside
 // any op: a change made inside one is undone when it returns). Returns the previous state.
-bool set_engaged(bool on) {
-  bool was = c10::impl::tls_is_dispatch_key_included(kKey) &&
-             c10::impl::tls_is_dispatch_key_excluded(kPython);
+bool set_engaged(bool on, pybind11::object mode) {
+  bool was = is_on() && c10::impl::tls_is_dispatch_key_excluded(kPython);
+  if (g_no_types == nullptr) g_no_types = PyTuple_New(0);
+  Py_CLEAR(t_handler);
+  t_mode = nullptr;
+  if (on && !mode.is_none()) {
+    t_handler = PyObject_GetAttrString(mode.ptr(), "__torch_dispatch__");
+    if (t_handler == nullptr) throw python_error();
+    t_mode = mode.ptr();
+  }
   c10::impl::tls_set_dispatch_key_excluded(kPython, on);
   c10::impl::tls_set_dispatch_key_excluded(kSnapshot, on);
-  c10::impl::tls_set_dispatch_key_included(kKey, on);
+  set_on(on);
   return was;
 }
-
-bool is_on() { return c10::impl::tls_is_dispatch_key_included(kKey); }
 
 std::vector<int64_t> counts() { return {g_kernel_calls.load(), g_handed_back.load()}; }
 
@@ -216,8 +314,7 @@ std::vector<int64_t> counts() { return {g_kernel_calls.load(), g_handed_back.loa
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_action", &set_action);
   m.def("set_on", &set_on);
-  m.def("set_engaged", &set_engaged);
-  m.def("register_composites", &register_composites);
   m.def("is_on", &is_on);
+  m.def("set_engaged", &set_engaged, pybind11::arg("on"), pybind11::arg("mode") = pybind11::none());
   m.def("counts", &counts);
 }
