@@ -35,6 +35,12 @@ What the mechanism taught (each tried here, torch 2.13):
   and sparse, quantized and nested tensors' ops land on its per-backend keys.
 * Boxing is cheap: a boxed kernel of ours costs about what an unboxed one does, so hot ops
   may be served by one boxed kernel.
+* Calling the engine's handler from our kernel, not through the Python key, gains the engine
+  nothing (chain-small 6.57 against 6.31 µs an op): its compiled handler already skips what
+  that skips. The cost is the Python objects each op makes; only a hot path served without
+  Python (segment state in C++, no interpreter lock) goes below the floor.
+* Open under ``key``: autograd sometimes accumulates a gradient in place (``add_``) in a
+  replay where the cold runs added out of place, and the path diverges there (model tests).
 """
 
 from __future__ import annotations
