@@ -39,8 +39,11 @@ What the mechanism taught (each tried here, torch 2.13):
   nothing (chain-small 6.57 against 6.31 µs an op): its compiled handler already skips what
   that skips. The cost is the Python objects each op makes; only a hot path served without
   Python (segment state in C++, no interpreter lock) goes below the floor.
-* Open under ``key``: autograd sometimes accumulates a gradient in place (``add_``) in a
-  replay where the cold runs added out of place, and the path diverges there (model tests).
+* Open under ``key``: autograd accumulates a gradient in place (``add_``) when nothing else
+  holds the buffer, out of place otherwise; with no mode seen as active it asks, and a
+  replay accumulates in place (as eager does: a plain recording mode engaged sees ``add_``)
+  where the engine's cold runs added out of place, so the path diverges there (model
+  tests). Something in the cold path holds the buffer a moment too long: to be found.
 """
 
 from __future__ import annotations
