@@ -17,8 +17,9 @@ rsqrt (eager's fp16 kernel on small tensors is not correctly rounded, Inductor's
 apart in a quarter of the elements of a 20-element tensor, none of a 4096-element one;
 acos's and asin's gradients), ldexp (eager rounds ``2 ** other`` to 16 bits before it
 multiplies, Inductor multiplies in float32: a 16-bit ulp apart, more in its gradients), the
-backwards of reflection padding and of unfold (col2im), which sum overlapping gradients in
-another order (bf16 and fp16 gradients beyond tolerance), and
+backwards of reflection padding, of unfold (col2im) and of max pooling, which sum
+overlapping gradients in another order (bf16 and fp16 gradients beyond tolerance; max_pool2d:
+a bf16 ulp at one element of 7 of 1,440 samples), and
 the matrix products, which Inductor turns into a
 16-bit multiply and a sum when a dimension is small, where eager accumulates in float32 and
 rounds once.
@@ -123,6 +124,7 @@ _OPS_16BIT = (
     aten.logsumexp.default, aten.rsqrt.default, aten.ldexp.Tensor,
     aten.reflection_pad1d_backward.default, aten.reflection_pad2d_backward.default,
     aten.reflection_pad3d_backward.default, aten.col2im.default,
+    aten.max_pool2d_with_indices_backward.default, aten.max_pool3d_with_indices_backward.default,
 )
 # In graphs holding a 16-bit value: op -> what the trace calls for it (eager's kernel)
 EAGER_16BIT = {op: _eager_kernel(op) for op in _OPS_16BIT}

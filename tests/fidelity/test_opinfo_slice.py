@@ -275,6 +275,7 @@ def test_inductor_findings(name, dtype, index):
     ("nn.functional.unfold", torch.bfloat16, 84),
     ("nn.functional.normalize", torch.bfloat16, 2),
     ("nn.functional.linear_cross_entropy.chunked", torch.float16, 61),
+    ("nn.functional.max_pool2d", torch.bfloat16, 235),
 ])
 def test_inductor_gradient_findings(name, dtype, index):
     # Gradients the sweep found beyond the OpInfo's tolerances under the fused backend:
@@ -284,10 +285,10 @@ def test_inductor_gradient_findings(name, dtype, index):
     # multiplies in float32 (a 16-bit ulp in the forward, beyond tolerance in the gradients);
     # the backwards of average pooling with ceil_mode (a window's divisor) and of nearest
     # upsampling by a fractional scale (which input a gradient lands on), which Inductor
-    # lowers otherwise than eager in every dtype; reflection padding's and unfold's (col2im)
-    # backward, which accumulate in 16 bits otherwise than eager's kernels; normalize with
-    # p=0.5, whose backward takes pow by -0.5, which eager computes in 16-bit steps; the
-    # weighted nll_loss's backward in fp16 (inside linear_cross_entropy)
+    # lowers otherwise than eager in every dtype; reflection padding's, unfold's (col2im) and
+    # max pooling's backward, which accumulate in 16 bits otherwise than eager's kernels;
+    # normalize with p=0.5, whose backward takes pow by -0.5, which eager computes in 16-bit
+    # steps; the weighted nll_loss's backward in fp16 (inside linear_cross_entropy)
     from . import harness
 
     op = next(op for op in opinfo.op_db() if opinfo.op_id(op) == name)
