@@ -72,13 +72,19 @@ def load():
     return _module
 
 
-@contextlib.contextmanager
-def switched_on(action: str = "hand-back", canned: torch.Tensor | None = None):
-    """The key included in this thread's dispatch key set, its kernels doing ``action``."""
+def _acting(action: str, canned: torch.Tensor | None = None):
+    """The extension, its kernels set to do ``action``."""
     if action not in ACTIONS:
         raise ValueError(f"hot key action {action!r}: expected one of {', '.join(ACTIONS)}")
     m = load()
     m.set_action(ACTIONS[action], canned)
+    return m
+
+
+@contextlib.contextmanager
+def switched_on(action: str = "hand-back", canned: torch.Tensor | None = None):
+    """The key included in this thread's dispatch key set, its kernels doing ``action``."""
+    m = _acting(action, canned)
     was = m.is_on()
     m.set_on(True)
     try:
@@ -87,33 +93,26 @@ def switched_on(action: str = "hand-back", canned: torch.Tensor | None = None):
         m.set_on(was)
 
 
-@contextlib.contextmanager
-def engaged(action: str = "route", mode=None):
-    """Under a dispatch mode: the key engaged in this thread (the mode's keys excluded), its
-    kernels doing ``action``; ``mode``, if given, is called directly while it is on top of
-    the stack. Enter and exit from Python, outside any op."""
-    if action not in ACTIONS:
-        raise ValueError(f"hot key action {action!r}: expected one of {', '.join(ACTIONS)}")
-    m = load()
-    m.set_action(ACTIONS[action], None)
-    was = m.set_engaged(True, mode)
-    try:
-        yield m
-    finally:
-        m.set_engaged(was)
-
-
-def engage(mode=None):
-    """Engage the key in this thread, routing every op to the dispatch mode (the engine's
-    ``hot_path`` key); ``mode``, the engine's, is called directly when it is on top of the
-    stack. Returns what ``disengage`` restores."""
-    m = load()
-    m.set_action(ACTIONS["route"], None)
-    return m.set_engaged(True, mode)
+def engage(mode=None, action: str = "route"):
+    """Engage the key in this thread (the mode's keys excluded), its kernels doing ``action``
+    (``route``: every op to the dispatch mode, the engine's ``hot_path`` key); ``mode``, if
+    given, is called directly while it is on top of the stack. Call from Python, outside any
+    op. Returns what ``disengage`` restores."""
+    return _acting(action).set_engaged(True, mode)
 
 
 def disengage(was) -> None:
     load().set_engaged(was)
+
+
+@contextlib.contextmanager
+def engaged(action: str = "route", mode=None):
+    """``engage`` for the duration of a block."""
+    was = engage(mode, action)
+    try:
+        yield load()
+    finally:
+        disengage(was)
 
 
 def counts() -> tuple[int, int]:
