@@ -23,6 +23,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from . import storage
+
 __all__ = ["Ext", "Val", "Rec", "Meta", "Out", "OpSpec", "OpFailed", "InductorDiffers", "interpret", "straight_line",
            "alias_groups"]
 
@@ -71,7 +73,7 @@ class Meta(NamedTuple):
     def of(t: torch.Tensor) -> "Meta":
         return Meta(
             tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device,
-            t.untyped_storage().nbytes() // t.element_size() if t.element_size() else 0,
+            storage.nbytes(t) // t.element_size() if t.element_size() else 0,
         )
 
     def on_storage(self, storage) -> torch.Tensor:
@@ -366,10 +368,10 @@ def alias_groups(tensors) -> tuple:
     seen: dict = {}
     out = []
     for i, t in enumerate(tensors):
-        storage = t.untyped_storage()
-        if not storage.nbytes():
+        ptr = storage.ptr(t)
+        if ptr is None:
             out.append(-1)
             continue
-        first = seen.setdefault((t.device, storage.data_ptr()), i)
+        first = seen.setdefault((t.device, ptr), i)
         out.append(-1 if first == i else first)
     return tuple(out)

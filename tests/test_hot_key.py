@@ -105,3 +105,72 @@ def test_engaged_key_routes_every_op_to_the_mode_as_the_user_called_it():
     assert aten.randperm.default in routed.seen
     assert torch._C._dispatch_tls_local_include_set() == include
     assert torch._C._dispatch_tls_local_exclude_set() == exclude
+
+
+def test_engine_under_key_learns_the_gradient_accumulation_it_replays(monkeypatch):
+    # A weight used twice gets two gradient contributions, which autograd adds in place
+    # (add_) when nothing else holds the first one's memory, as plain eager does when no
+    # dispatch mode is seen. The engine's cold runs must not hold it (a storage's Python
+    # object would: Note [Storage objects]), or the path learned cold (add) diverges from its
+    # replays (add_) at every step.
+    import adaptive_eager as ae
+
+    monkeypatch.setenv("NEURON_ADAPTIVE_EAGER_HOT_PATH", "key")
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+
+    def step():
+        z = lin(lin(x))
+        loss = (z * z).sum()
+        loss.backward()
+        lin.weight.grad = lin.bias.grad = None
+        return loss.item()
+
+    ref = [step() for _ in range(8)]
+    with ae.enabled(devices=("cpu",), backend="exact"):
+        got = [step() for _ in range(8)]
+        s = ae.stats()
+    assert got == ref
+    assert "diverged from the hot path" not in s.fallbacks and s.replays >= 5
+
+
+def test_hot_segment_is_served_below_the_floor_and_handed_back_at_the_read(monkeypatch):
+    # Under ``key`` a hot segment's ops after its first are served by the key's plan
+    # (tracer/hot_plan.py, csrc/hot_segment.cpp), not by the mode; the read that ends the
+    # step hands what was served back to the segment, which launches it as before.
+    import adaptive_eager as ae
+
+    monkeypatch.setenv("NEURON_ADAPTIVE_EAGER_HOT_PATH", "key")
+    torch.manual_seed(0)
+    x = torch.randn(64)
+    ws = [torch.randn(64) for _ in range(4)]
+
+    def step(i):
+        y = x
+        for j in range(12):  # sub, mul, add with a float that changes each step (recorded)
+            y = y * ws[j % 4] + 0.5 * i if j % 2 else y - ws[j % 4]
+        new = torch.randn(64)  # a new external every step: held, then handed back
+        return (y * new).sum().item()
+
+    ref = []
+    for i in range(8):
+        torch.manual_seed(i)
+        ref.append(step(i))
+    m = hot_key.load()
+    with ae.enabled(devices=("cpu",), backend="exact"):
+        got = []
+        for i in range(8):
+            torch.manual_seed(i)
+            got.append(step(i))
+            if i == 3:
+                served, plans = m.served()
+        s = ae.stats()
+        served, plans = m.served()[0] - served, m.served()[1] - plans
+        assert not m.serving()  # nothing held once the step's read launched it
+    assert got == ref
+    assert "diverged from the hot path" not in s.fallbacks
+    # steps 4..7: every op but the segment's first and the random op (a plan stops before
+    # it: random ops need Python) is served below the floor, by two plans a step: 17 of the
+    # 18 chain ops, then the mul and the sum
+    assert plans == 2 * 4 and served == 19 * 4

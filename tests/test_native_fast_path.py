@@ -213,6 +213,29 @@ def test_compiled_alias_groups_agree():
         -1, 0, -1, -1, 0, 2, -1, -1, -1)
 
 
+def test_compiled_storage_reads_make_no_storage_object():
+    # Note [Storage objects] (scheduler/storage.py): a storage's Python object, once made,
+    # holds its memory, so autograd would stop accumulating into that buffer in place
+    from adaptive_eager.scheduler import storage
+
+    m = native.load()
+    t = torch.randn(4) * 2
+    v = t[1:]
+    assert m.storage_ptr(v) == m.storage_ptr(t) == t.data_ptr()
+    assert m.storage_nbytes(v) == 16 and m.storage_ptr(torch.empty(0)) is None
+    assert not m.storage_alone(t)  # v holds the memory too
+    del v
+    handle = m.storage_weak(t)
+    assert torch._C._storage_Use_Count(handle) == 1  # no storage object was made
+    assert m.storage_alone(t)
+    t.untyped_storage()  # Python makes one, and it stays while the memory lives
+    assert torch._C._storage_Use_Count(handle) == 2
+    assert m.storage_alone(t) and storage._alone(t)  # the storage's own object does not count
+    del t
+    assert torch.UntypedStorage._expired(handle)
+    torch.UntypedStorage._free_weak_ref(handle)
+
+
 def test_compiled_launch_bookkeeping_agrees():
     # the launch's loops over a segment's values, compiled (tracer.native) and in Python
     from types import SimpleNamespace

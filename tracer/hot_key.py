@@ -39,11 +39,11 @@ What the mechanism taught (each tried here, torch 2.13):
   nothing (chain-small 6.57 against 6.31 µs an op): its compiled handler already skips what
   that skips. The cost is the Python objects each op makes; only a hot path served without
   Python (segment state in C++, no interpreter lock) goes below the floor.
-* Open under ``key``: autograd accumulates a gradient in place (``add_``) when nothing else
-  holds the buffer, out of place otherwise; with no mode seen as active it asks, and a
-  replay accumulates in place (as eager does: a plain recording mode engaged sees ``add_``)
-  where the engine's cold runs added out of place, so the path diverges there (model
-  tests). Something in the cold path holds the buffer a moment too long: to be found.
+* Autograd accumulates a gradient in place (``add_``) when nothing else holds the buffer's
+  memory, out of place otherwise; with no mode seen as active it asks, as plain eager does.
+  The engine's cold runs made the buffer's Python storage object, which holds the memory,
+  so they learned ``add`` where the replays met ``add_``: storages are read without their
+  objects (Note [Storage objects], scheduler/storage.py).
 """
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ def load():
     """The built extension (built first if needed)."""
     global _module
     if _module is None:
-        _module = cpp_build.build("hot_key", [_CSRC / "hot_key.cpp"], who="adaptive_eager",
+        _module = cpp_build.build("hot_key", [_CSRC / "hot_key.cpp", _CSRC / "hot_segment.cpp"],
+                                  headers=[_CSRC / "hot_segment.h"], who="adaptive_eager",
                                   what="the hot path's dispatch key",
                                   instead="leave the hot path's dispatch key off")
     return _module

@@ -36,11 +36,12 @@ from torch.utils._python_dispatch import (
 )
 
 from adaptive_eager.scheduler import launch as _launch
+from adaptive_eager.scheduler import storage
 from adaptive_eager.scheduler.program import Val
 from adaptive_eager.scheduler.stats import Counters
 from adaptive_eager.scheduler.userline import user_line as _user_line
 
-from . import learn, lifecycle
+from . import hot_plan, learn, lifecycle
 from .optable import OpClass, info as op_info
 from .segment import Segment, release_weak
 from .signature import MISS, Unsupported, describe_kind, is_plain, observe
@@ -50,6 +51,10 @@ __all__ = ["AdaptiveEagerMode"]
 
 log = logging.getLogger("adaptive_eager")
 _EMPTY: dict = {}
+
+
+def _nothing() -> None:
+    pass
 
 
 class AdaptiveEagerMode(TorchDispatchMode):
@@ -92,9 +97,28 @@ class AdaptiveEagerMode(TorchDispatchMode):
             self.__torch_dispatch__ = native.dispatcher(self, _EMPTY)
             self.release_weak, self.live_values = native.release_weak, native.live_values
             self.pick_floats = native.pick_floats
+            storage.use_compiled(native.load())
         else:
+            storage.use_compiled(None)
             for name in ("__torch_dispatch__", "release_weak", "live_values", "pick_floats"):
                 self.__dict__.pop(name, None)
+        # With the hot path's dispatch key, hot segments may be served below the floor
+        # (tracer.hot_plan): the key asks ``key_plan`` after each op the mode handled, and
+        # ``settle`` hands what it served back before any of the engine's Python touches the
+        # segment.
+        self._keyed = None
+        self.settle = _nothing
+        if config.hot_path == "key":
+            from . import hot_key
+
+            self._keyed = hot_key.load()
+            self.settle = self._keyed.hand_back
+
+    def key_plan(self):
+        """What the hot segment expects next, for the dispatch key to serve, or None."""
+        if self._keyed is None or self.debug >= 3:
+            return None
+        return hot_plan.plan(self, self._keyed)
 
     # ------------------------------------------------------------------ slow path
 
@@ -264,6 +288,7 @@ class AdaptiveEagerMode(TorchDispatchMode):
 
     def end_segment(self, reason: str) -> None:
         """A boundary: launch what is deferred, count the end, start a new segment."""
+        self.settle()
         S = self.seg
         node = S.node
         was_hot = S.hot
@@ -312,6 +337,7 @@ class AdaptiveEagerMode(TorchDispatchMode):
     @contextlib.contextmanager
     def pause(self):
         """Ops pass through untouched (the segment state is kept, nothing is pending)."""
+        self.settle()
         self.paused += 1
         self.seg.expect = None
         try:
@@ -323,6 +349,7 @@ class AdaptiveEagerMode(TorchDispatchMode):
 
     def reset_state(self) -> None:
         """Forget the trie and the counters (ae.reset())."""
+        self.settle()
         self.root = new_root()
         self.seg = Segment(self, self.root)
         self.n_nodes = 0

@@ -19,6 +19,7 @@ import weakref
 
 import torch
 
+from adaptive_eager.scheduler import storage
 from adaptive_eager.scheduler.program import Ext, Val
 
 __all__ = ["Segment", "release_weak"]
@@ -29,17 +30,6 @@ _wref = weakref.ref
 # keeping it alive.
 _expired = torch.UntypedStorage._expired
 _free_weak = torch.UntypedStorage._free_weak_ref
-_use_count = torch._C._storage_Use_Count
-
-
-def _alone(t) -> bool:
-    """Does nothing but ``t`` hold its memory? Then no other live tensor (an external of the
-    segment among them) can alias it. Its storage is held by ``t`` and by the Python storage
-    object asked here, and by every other tensor or view on it; memory PyTorch allocated
-    (``resizable``) belongs to that one storage, where two storages can share borrowed memory
-    (``from_numpy`` twice): those take the full check."""
-    storage = t.untyped_storage()
-    return storage.resizable() and _use_count(storage._cdata) == 2
 
 
 def release_weak(stor) -> None:
@@ -127,7 +117,7 @@ class Segment:
 
     def add_cold_fresh(self, t) -> None:
         """A fresh output of a cold op: tracked by a weak reference to its storage."""
-        self.cold_storage[len(self.outw)] = t.untyped_storage()._weak_ref()
+        self.cold_storage[len(self.outw)] = storage.weak(t)
         self.add_value(t)
 
     def alive(self, i: int) -> bool:
@@ -168,7 +158,7 @@ class Segment:
         src = self.source(t)
         if type(src) is Val:
             return True
-        if src is None and _alone(t):  # an optimizer's step count, every parameter
+        if src is None and storage.alone(t):  # an optimizer's step count, every parameter
             return False
         written = self.mutated_externals()
         if type(src) is Ext:
@@ -181,7 +171,7 @@ class Segment:
         """Is ``t`` (or its storage) an input of this segment, so writing it must wait?"""
         if self.source(t) is not None:
             return True
-        return not _alone(t) and self._aliases(t, None)
+        return not storage.alone(t) and self._aliases(t, None)
 
     def _aliases(self, t, ks) -> bool:
         """Does ``t`` share storage with an external in ``ks`` (None: any external)?
@@ -190,21 +180,21 @@ class Segment:
         the last call, makes this a lookup; each hit is confirmed on the live tensor (an
         external may have died and its memory been reused).
         """
-        storage = t.untyped_storage()
-        if not storage.nbytes():
+        ptr = storage.ptr(t)
+        if ptr is None:
             return False
         index = self._by_storage
         extw = self.extw
         for k in range(self._n_indexed, len(extw)):
             x = extw[k]()
-            if x is not None and x.untyped_storage().nbytes():
-                index.setdefault(x.untyped_storage().data_ptr(), []).append(k)
+            at = storage.ptr(x) if x is not None else None
+            if at is not None:
+                index.setdefault(at, []).append(k)
         self._n_indexed = len(extw)
-        ptr = storage.data_ptr()
         for k in index.get(ptr, ()):
             if ks is None or k in ks:
                 x = extw[k]()
-                if x is not None and x.untyped_storage().data_ptr() == ptr:
+                if x is not None and storage.ptr(x) == ptr:
                     return True
         return False
 

@@ -40,6 +40,7 @@ import weakref
 
 import torch
 
+from adaptive_eager.scheduler import storage
 from adaptive_eager.scheduler.program import Ext, Rec, Meta, Out, Val, _minimal
 
 __all__ = ["Observed", "Unsupported", "observe", "describe", "make_fast", "MISS", "PLAIN",
@@ -351,7 +352,7 @@ def make_fast(node, n_ext_before: int):
                 else:
                     g.emit(f"{v} = {g.const(m)}.allocate()")
                 g.emit(f"ids[id({v})] = len(outw); outw.append(wref({v})); "
-                       f"S.stor.append({v}.untyped_storage()._weak_ref())")
+                       f"S.stor.append({g.const(storage)}.weak({v}))")
                 results.append(v)
             elif o.kind == "alias":
                 results.append(f"a[{o.arg}]" if type(o.arg) is int else f"k[{o.arg!r}]")
@@ -404,12 +405,8 @@ def out_specs(func, info, args, kwargs, res, tree: str):
             outs.append(Out("alias", arg=arg))
             continue
         if in_storages is None:
-            in_storages = {
-                x.untyped_storage().data_ptr()
-                for x in _tensors(args, kwargs)
-                if x.untyped_storage().nbytes()
-            }
-        ptr = t.untyped_storage().data_ptr() if t.untyped_storage().nbytes() else None
+            in_storages = {storage.ptr(x) for x in _tensors(args, kwargs)} - {None}
+        ptr = storage.ptr(t)
         if ptr is not None and (ptr in in_storages or ptr in fresh_storages):
             raise Unsupported("output shares storage with an input or another output")
         if any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride())):

@@ -22,7 +22,7 @@ __all__ = ["Node", "new_root"]
 class Node:
     __slots__ = (
         "parent", "depth", "key", "spec", "children", "visits", "ends", "hot_ends",
-        "hot_next", "ends_here", "fast", "path", "n_ext", "n_vals", "blocked", "diverged",
+        "hot_next", "ends_here", "fast", "step", "path", "n_ext", "n_vals", "blocked", "diverged",
         "cut", "__weakref__",
     )
 
@@ -38,6 +38,7 @@ class Node:
         self.hot_next = None
         self.ends_here = False
         self.fast = None
+        self.step = None  # its step for the dispatch key's plans (tracer.hot_plan): False if none
         self.path = None  # tracer.lifecycle.Path once segments end here
         self.n_ext = n_ext  # external inputs seen from the root through this op
         self.n_vals = n_vals  # segment values produced from the root through this op

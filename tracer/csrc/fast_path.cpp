@@ -810,6 +810,38 @@ void release_weak(py::iterable stor) {
     if (!ref.is_none()) c10::raw::weak_intrusive_ptr::decref(weak_of(ref.ptr()));
 }
 
+// A tensor's storage seen without its Python storage object (scheduler.storage): once made,
+// that object lives as long as the memory and holds a reference to it, so autograd would no
+// longer find a gradient buffer alone on its memory (Note [Storage objects]).
+const c10::Storage& storage_of(const at::Tensor& t) {
+  if (!t.has_storage()) throw py::value_error("adaptive_eager: a tensor without storage");
+  return t.storage();
+}
+
+int64_t storage_nbytes(const at::Tensor& t) { return (int64_t)storage_of(t).nbytes(); }
+
+py::object storage_ptr(const at::Tensor& t) {
+  const c10::Storage& st = storage_of(t);
+  if (st.nbytes() == 0) return py::none();
+  return py::reinterpret_steal<py::object>(PyLong_FromVoidPtr(const_cast<void*>(st.data())));
+}
+
+py::object storage_weak(const at::Tensor& t) {
+  c10::StorageImpl* impl = storage_of(t).unsafeGetStorageImpl();
+  return py::reinterpret_steal<py::object>(
+      PyLong_FromVoidPtr(c10::raw::intrusive_ptr::make_weak(impl)));
+}
+
+// Nothing but ``t`` (and the storage's own Python object, if one was ever made) holds the
+// memory, which PyTorch allocated for this storage alone.
+bool storage_alone(const at::Tensor& t) {
+  const c10::Storage& st = storage_of(t);
+  if (!st.resizable()) return false;
+  size_t held = st.use_count();
+  if (st.unsafeGetStorageImpl()->pyobj_slot()->load_pyobj() != nullptr) held--;
+  return held == 1;
+}
+
 // tracer.lifecycle.Path.variant's specialized values: ``floats[n][j]`` for each (n, j).
 py::tuple pick_floats(py::list floats, py::tuple at) {
   py::tuple out(at.size());
@@ -867,4 +899,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("live_values", &live_values);
   m.def("release_weak", &release_weak);
   m.def("pick_floats", &pick_floats);
+  m.def("storage_nbytes", &storage_nbytes);
+  m.def("storage_ptr", &storage_ptr);
+  m.def("storage_weak", &storage_weak);
+  m.def("storage_alone", &storage_alone);
 }

@@ -32,6 +32,8 @@
 #include <torch/csrc/utils/tensor_memoryformats.h>
 #include <torch/csrc/utils/torch_dispatch_mode.h>
 
+#include "hot_segment.h"
+
 #include <atomic>
 #include <type_traits>
 
@@ -87,6 +89,7 @@ bool has_python_tensor(const torch::jit::Stack& stack, size_t n) {
 // PythonTLSSnapshot, the Python key and PyTorch's generic __torch_dispatch__ protocol.
 thread_local PyObject* t_mode = nullptr;
 thread_local PyObject* t_handler = nullptr;
+thread_local PyObject* t_planner = nullptr;  // the mode's ``key_plan``, if it has one
 PyObject* g_no_types = nullptr;
 
 constexpr c10::DispatchKeySet kAbovePython =
@@ -176,10 +179,13 @@ bool to_engine(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (out == nullptr) throw python_error();
   auto result = pybind11::reinterpret_steal<pybind11::object>(out);
   push_result(schema, stack, result);
+  if (t_planner != nullptr) ae_hot::take_over(t_planner);  // what follows, below the floor
   return true;
 }
 
 void route(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  if (ae_hot::serve(op, stack)) return;
+  ae_hot::hand_back();
   if (to_engine(op, stack)) return;
   auto below = ks.remove(kKey);
   if (c10::impl::TorchDispatchModeTLS::stack_len() == 0) {
@@ -294,12 +300,16 @@ bool is_on() { return c10::impl::tls_is_dispatch_key_included(kKey); }
 bool set_engaged(bool on, pybind11::object mode) {
   bool was = is_on() && c10::impl::tls_is_dispatch_key_excluded(kPython);
   if (g_no_types == nullptr) g_no_types = PyTuple_New(0);
+  ae_hot::hand_back();
   Py_CLEAR(t_handler);
+  Py_CLEAR(t_planner);
   t_mode = nullptr;
   if (on && !mode.is_none()) {
     t_handler = PyObject_GetAttrString(mode.ptr(), "__torch_dispatch__");
     if (t_handler == nullptr) throw python_error();
     t_mode = mode.ptr();
+    if (PyObject_HasAttrString(mode.ptr(), "key_plan"))
+      t_planner = PyObject_GetAttrString(mode.ptr(), "key_plan");
   }
   c10::impl::tls_set_dispatch_key_excluded(kPython, on);
   c10::impl::tls_set_dispatch_key_excluded(kSnapshot, on);
@@ -317,4 +327,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("is_on", &is_on);
   m.def("set_engaged", &set_engaged, pybind11::arg("on"), pybind11::arg("mode") = pybind11::none());
   m.def("counts", &counts);
+  ae_hot::bind(m);
 }

@@ -1,0 +1,485 @@
+// A hot segment served below the floor (Note [Below the floor]): while a segment is hot, the
+// hot path's dispatch key hands each op to ``serve``, which checks it against the next step
+// of the thread's plan (the trie nodes the hot path expects next, as tracer.hot_plan compiled
+// them), records it and allocates its outputs, in C++ with the interpreter lock not taken:
+// the same checks and records as the node's fast path (tracer.signature.make_fast), made on
+// the dispatcher's values (IValues, TensorImpls) instead of Python objects. The first op the
+// plan does not expect, or any of the engine's Python touching the segment, hands what was
+// served to the tracer's Python segment (``hand_back``), exactly as if the fast paths had run
+// one by one, and the engine goes on in Python.
+#include "hot_segment.h"
+
+#include <ATen/EmptyTensor.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
+
+#include <atomic>
+#include <optional>
+#include <unordered_map>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace ae_hot {
+namespace {
+
+using Impl = c10::TensorImpl;
+using WeakTensor = c10::weak_intrusive_ptr<Impl, c10::UndefinedTensorImpl>;
+using StrongTensor = c10::intrusive_ptr<Impl, c10::UndefinedTensorImpl>;
+
+at::ScalarType dtype_of(py::handle obj) {
+  TORCH_CHECK(THPDtype_Check(obj.ptr()), "hot plan: not a dtype");
+  return reinterpret_cast<THPDtype*>(obj.ptr())->scalar_type;
+}
+
+enum class K { Val, Ext, New, SameNew, Rec, Value, Default, Tensors };
+
+struct Check {
+  K kind = K::Value;
+  int64_t index = 0;             // Val: value; Ext: external; New/SameNew: new external; Rec: slot
+  int rec = 0;                   // Rec: 0 a float, 1 an int, 2 a bool
+  c10::IValue value;             // Value: equal, of the same kind; Default: equal (the default)
+  at::ScalarType dtype = at::kFloat;  // New: the metadata a new external must have
+  std::vector<int64_t> sizes, strides;
+  c10::Device device = c10::Device(c10::kCPU);
+  std::vector<Check> items;      // Tensors: a tensor list, element by element
+};
+
+enum class R { Fresh, Alias, None };
+
+struct Result {
+  R kind = R::None;
+  int64_t arg = 0;               // Alias: the argument returned
+  at::ScalarType dtype = at::kFloat;
+  std::vector<int64_t> sizes, strides;
+};
+
+struct Step {
+  std::optional<c10::OperatorHandle> op;
+  std::vector<Check> args;       // one per schema argument
+  std::vector<Result> outs;
+  bool as_list = false;          // the op returns one Tensor[]
+  int64_t n_recs = 0, n_new = 0;
+  std::optional<at::ScalarType> default_dtype;  // a factory: the default dtype it was learned at
+};
+
+struct Plan {
+  std::vector<std::shared_ptr<Step>> steps;
+  py::tuple nodes;               // the trie nodes, in order (S.node after each step)
+};
+
+// One served op, as the Python segment will record it.
+struct Served {
+  size_t step;
+  std::vector<at::Tensor> new_exts;
+  std::vector<c10::IValue> recs;
+  std::vector<std::pair<WeakTensor, c10::StorageImpl*>> fresh;  // output, weak storage handle
+};
+
+// The thread's segment while a plan serves it: the Python segment's values and externals
+// (imported at take-over) and what was served since.
+struct State {
+  std::shared_ptr<Plan> plan;
+  py::object seg;
+  size_t pos = 0;
+  std::vector<WeakTensor> vals;                 // value i (a null one: dead at take-over)
+  std::vector<Impl*> exts;                      // external k (held by the segment or below)
+  std::unordered_map<Impl*, int64_t> known;     // impl -> value i, or ~k for external k
+  std::vector<Served> served;
+};
+
+thread_local State* t_state = nullptr;
+std::atomic<int64_t> g_served{0}, g_plans{0};  // ops served, plans taken (this process)
+PyTypeObject* g_plain[2] = {nullptr, nullptr};  // torch.Tensor, torch.nn.Parameter
+PyObject* g_dead = nullptr;                     // a weak reference to nothing
+PyObject *s_outw, *s_exts, *s_extw, *s_ids, *s_floats, *s_stor, *s_node, *s_expect,
+    *s_hot_next;
+
+bool same_ints(c10::IntArrayRef got, const std::vector<int64_t>& want) {
+  return got.size() == want.size() && std::equal(got.begin(), got.end(), want.begin());
+}
+
+bool is_known(const State& st, Impl* impl) {
+  auto it = st.known.find(impl);
+  if (it == st.known.end()) return false;
+  if (it->second >= 0) return !st.vals[it->second].expired();
+  return true;
+}
+
+// A plain tensor, as the fast path's ``type(v) in PLAIN`` (and nothing that dispatches to
+// Python on its own).
+bool plain(const at::Tensor& t) {
+  if (t.key_set().has(c10::DispatchKey::Python)) return false;
+  PyObject* obj = t.unsafeGetTensorImpl()->pyobj_slot()->load_pyobj();
+  return obj == nullptr || Py_TYPE(obj) == g_plain[0] || Py_TYPE(obj) == g_plain[1];
+}
+
+bool same_kind(const c10::IValue& a, const c10::IValue& b) {
+  return a.isDouble() == b.isDouble() && a.isInt() == b.isInt() && a.isBool() == b.isBool() &&
+         a.isNone() == b.isNone();
+}
+
+// A Python number in a Tensor argument reaches the dispatcher as a wrapped-number tensor,
+// which the mode receives converted back to the number: the number, as the mode saw it.
+c10::IValue unwrapped(const c10::IValue& v) {
+  if (!v.isTensor()) return v;
+  Impl* impl = v.unsafeToTensorImpl();
+  if (!impl->is_wrapped_number()) return v;
+  const at::Tensor& t = v.toTensor();
+  switch (t.scalar_type()) {
+    case at::kDouble: return c10::IValue(*t.const_data_ptr<double>());
+    case at::kLong: return c10::IValue(*t.const_data_ptr<int64_t>());
+    case at::kBool: return c10::IValue(*t.const_data_ptr<bool>());
+    default: return v;
+  }
+}
+
+struct Matching {
+  std::vector<c10::IValue> recs;
+  std::vector<at::Tensor> fresh;  // the new externals, by position
+};
+
+bool check(const State& st, const Check& c, const c10::IValue& v, Matching& m) {
+  switch (c.kind) {
+    case K::Val: {
+      if (!v.isTensor() || c.index >= (int64_t)st.vals.size()) return false;
+      const WeakTensor& w = st.vals[c.index];
+      return w._unsafe_get_target() == v.unsafeToTensorImpl() && !w.expired();
+    }
+    case K::Ext:
+      return v.isTensor() && c.index < (int64_t)st.exts.size() &&
+             st.exts[c.index] == v.unsafeToTensorImpl();
+    case K::SameNew:
+      return v.isTensor() && m.fresh[c.index].defined() &&
+             m.fresh[c.index].unsafeGetTensorImpl() == v.unsafeToTensorImpl();
+    case K::New: {
+      if (!v.isTensor()) return false;
+      const at::Tensor& t = v.toTensor();
+      if (!t.defined() || t.layout() != at::kStrided || t.scalar_type() != c.dtype ||
+          !same_ints(t.sizes(), c.sizes) || !same_ints(t.strides(), c.strides) ||
+          t.device() != c.device || !plain(t))
+        return false;
+      Impl* impl = t.unsafeGetTensorImpl();
+      if (is_known(st, impl)) return false;
+      for (int64_t j = 0; j < c.index; j++)
+        if (m.fresh[j].defined() && m.fresh[j].unsafeGetTensorImpl() == impl) return false;
+      m.fresh[c.index] = t;
+      return true;
+    }
+    case K::Rec: {
+      c10::IValue x = unwrapped(v);
+      if (!(c.rec == 0 ? x.isDouble() : c.rec == 1 ? x.isInt() : x.isBool())) return false;
+      m.recs[c.index] = std::move(x);
+      return true;
+    }
+    case K::Value: {
+      c10::IValue x = unwrapped(v);
+      return same_kind(c.value, x) && c.value == x;
+    }
+    case K::Default:
+      return c.value == v;
+    case K::Tensors: {
+      if (!v.isTensorList()) return false;
+      auto list = v.toTensorList();
+      if (list.size() != c.items.size()) return false;
+      for (size_t j = 0; j < c.items.size(); j++)
+        if (!check(st, c.items[j], c10::IValue(static_cast<at::Tensor>(list[j])), m)) return false;
+      return true;
+    }
+  }
+  return false;
+}
+
+c10::StorageImpl* weak_storage(const at::Tensor& t) {
+  return c10::raw::intrusive_ptr::make_weak(t.storage().unsafeGetStorageImpl());
+}
+
+// ---------------------------------------------------------------- handing back to Python
+
+PyObject* attr(PyObject* o, PyObject* name) {
+  PyObject* v = PyObject_GetAttr(o, name);
+  if (v == nullptr) throw python_error();
+  return v;
+}
+
+void append(PyObject* list, PyObject* item) {  // steals ``item``
+  if (item == nullptr) throw python_error();
+  int rc = PyList_Append(list, item);
+  Py_DECREF(item);
+  if (rc != 0) throw python_error();
+}
+
+void set_id(PyObject* ids, PyObject* obj, Py_ssize_t index) {
+  py::object key = py::reinterpret_steal<py::object>(PyLong_FromVoidPtr(obj));
+  py::object val = py::reinterpret_steal<py::object>(PyLong_FromSsize_t(index));
+  if (!key || !val || PyDict_SetItem(ids, key.ptr(), val.ptr()) != 0) throw python_error();
+}
+
+PyObject* to_python(const c10::IValue& v) {
+  if (v.isDouble()) return PyFloat_FromDouble(v.toDouble());
+  if (v.isBool()) return PyBool_FromLong(v.toBool());
+  return PyLong_FromLongLong(v.toInt());
+}
+
+// The served ops into the Python segment, as their fast paths would have recorded them.
+void record(State& st) {
+  PyObject* S = st.seg.ptr();
+  py::object outw = py::reinterpret_steal<py::object>(attr(S, s_outw));
+  py::object exts = py::reinterpret_steal<py::object>(attr(S, s_exts));
+  py::object extw = py::reinterpret_steal<py::object>(attr(S, s_extw));
+  py::object ids = py::reinterpret_steal<py::object>(attr(S, s_ids));
+  py::object floats = py::reinterpret_steal<py::object>(attr(S, s_floats));
+  py::object stor = py::reinterpret_steal<py::object>(attr(S, s_stor));
+  for (Served& op : st.served) {
+    for (at::Tensor& t : op.new_exts) {
+      PyObject* obj = THPVariable_Wrap(std::move(t));
+      if (obj == nullptr) throw python_error();
+      set_id(ids.ptr(), obj, ~PyList_GET_SIZE(exts.ptr()));
+      append(extw.ptr(), PyWeakref_NewRef(obj, nullptr));
+      append(exts.ptr(), obj);
+    }
+    PyObject* rec = PyTuple_New((Py_ssize_t)op.recs.size());
+    if (rec == nullptr) throw python_error();
+    for (size_t j = 0; j < op.recs.size(); j++) {
+      PyObject* x = to_python(op.recs[j]);
+      if (x == nullptr) {
+        Py_DECREF(rec);
+        throw python_error();
+      }
+      PyTuple_SET_ITEM(rec, j, x);
+    }
+    append(floats.ptr(), rec);
+    for (auto& [w, handle] : op.fresh) {
+      StrongTensor alive = w.lock();
+      if (alive) {
+        py::object obj = py::reinterpret_steal<py::object>(
+            THPVariable_Wrap(at::Tensor(std::move(alive))));
+        if (!obj) throw python_error();
+        set_id(ids.ptr(), obj.ptr(), PyList_GET_SIZE(outw.ptr()));
+        append(outw.ptr(), PyWeakref_NewRef(obj.ptr(), nullptr));
+      } else {
+        Py_INCREF(g_dead);
+        append(outw.ptr(), g_dead);
+      }
+      append(stor.ptr(), PyLong_FromVoidPtr(handle));
+      handle = nullptr;  // the segment owns it now
+    }
+  }
+  if (!st.served.empty()) {
+    PyObject* node = PyTuple_GET_ITEM(st.plan->nodes.ptr(), st.pos - 1);
+    py::object next = py::reinterpret_steal<py::object>(attr(node, s_hot_next));
+    if (PyObject_SetAttr(S, s_node, node) != 0 || PyObject_SetAttr(S, s_expect, next.ptr()) != 0)
+      throw python_error();
+  }
+}
+
+void release(State* st) {
+  for (Served& op : st->served)
+    for (auto& f : op.fresh)
+      if (f.second != nullptr) c10::raw::weak_intrusive_ptr::decref(f.second);
+  delete st;
+}
+
+// ---------------------------------------------------------------- building steps
+
+Check to_check(py::handle spec, const c10::Argument& arg) {
+  auto t = spec.cast<py::tuple>();
+  std::string kind = t[0].cast<std::string>();
+  Check c;
+  if (kind == "val" || kind == "ext" || kind == "same" || kind == "rec") {
+    c.kind = kind == "val" ? K::Val : kind == "ext" ? K::Ext : kind == "same" ? K::SameNew : K::Rec;
+    c.index = t[1].cast<int64_t>();
+    if (c.kind == K::Rec) c.rec = t[2].cast<int>();
+  } else if (kind == "new") {
+    c.kind = K::New;
+    c.index = t[1].cast<int64_t>();
+    c.dtype = dtype_of(t[2]);
+    c.sizes = t[3].cast<std::vector<int64_t>>();
+    c.strides = t[4].cast<std::vector<int64_t>>();
+    c.device = t[5].cast<c10::Device>();
+  } else if (kind == "value") {
+    c.kind = K::Value;
+    c.value = torch::jit::toIValue(t[1], arg.real_type());
+  } else if (kind == "default") {
+    TORCH_CHECK(arg.default_value().has_value(), "hot plan: ", arg.name(), " has no default");
+    c.kind = K::Default;
+    c.value = *arg.default_value();
+  } else if (kind == "tensors") {
+    c.kind = K::Tensors;
+    for (py::handle item : t[1].cast<py::list>()) c.items.push_back(to_check(item, arg));
+  } else {
+    TORCH_CHECK(false, "hot plan: no check of kind ", kind);
+  }
+  return c;
+}
+
+std::shared_ptr<Step> make_step(const std::string& name, const std::string& overload,
+                                py::list args, py::list outs, int64_t n_recs, int64_t n_new,
+                                py::object default_dtype) {
+  auto step = std::make_shared<Step>();
+  step->op = c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), overload.c_str());
+  const auto& schema = step->op->schema();
+  TORCH_CHECK(args.size() == schema.arguments().size(), "hot plan: ", name, " takes ",
+              schema.arguments().size(), " arguments, given ", args.size(), " checks");
+  for (size_t i = 0; i < args.size(); i++)
+    step->args.push_back(to_check(args[i], schema.arguments()[i]));
+  for (py::handle o : outs) {
+    auto t = o.cast<py::tuple>();
+    std::string kind = t[0].cast<std::string>();
+    Result r;
+    if (kind == "fresh") {
+      r.kind = R::Fresh;
+      r.dtype = dtype_of(t[1]);
+      r.sizes = t[2].cast<std::vector<int64_t>>();
+      r.strides = t[3].cast<std::vector<int64_t>>();
+    } else if (kind == "alias") {
+      r.kind = R::Alias;
+      r.arg = t[1].cast<int64_t>();
+    }
+    step->outs.push_back(std::move(r));
+  }
+  step->as_list = schema.returns().size() == 1 &&
+                  schema.returns()[0].real_type()->kind() == c10::TypeKind::ListType;
+  step->n_recs = n_recs;
+  step->n_new = n_new;
+  if (!default_dtype.is_none())
+    step->default_dtype = dtype_of(default_dtype);
+  return step;
+}
+
+std::shared_ptr<Plan> make_plan(py::list steps, py::tuple nodes) {
+  auto plan = std::make_shared<Plan>();
+  for (py::handle s : steps) plan->steps.push_back(s.cast<std::shared_ptr<Step>>());
+  plan->nodes = nodes;
+  TORCH_CHECK(plan->steps.size() == (size_t)nodes.size(), "hot plan: steps and nodes differ");
+  return plan;
+}
+
+// Does this thread hold a plan now; (ops served, plans taken) in this process.
+bool serving() { return t_state != nullptr; }
+std::vector<int64_t> served() { return {g_served.load(), g_plans.load()}; }
+
+}  // namespace
+
+bool serve(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  State* st = t_state;
+  if (st == nullptr || st->pos >= st->plan->steps.size()) return false;
+  const Step& step = *st->plan->steps[st->pos];
+  if (op != *step.op) return false;
+  size_t n = step.args.size();
+  auto args = torch::jit::last(*stack, n);
+  Matching m;
+  m.recs.resize(step.n_recs);
+  m.fresh.resize(step.n_new);
+  for (size_t i = 0; i < n; i++)
+    if (!check(*st, step.args[i], args[i], m)) return false;
+  if (step.default_dtype.has_value() &&
+      c10::typeMetaToScalarType(at::get_default_dtype()) != *step.default_dtype)
+    return false;
+  // It matches: record it and make its results, as its fast path does.
+  Served rec{st->pos};
+  for (at::Tensor& t : m.fresh) {
+    Impl* impl = t.unsafeGetTensorImpl();
+    st->known[impl] = ~(int64_t)st->exts.size();
+    st->exts.push_back(impl);
+    rec.new_exts.push_back(std::move(t));
+  }
+  rec.recs = std::move(m.recs);
+  std::vector<c10::IValue> results;
+  for (const Result& r : step.outs) {
+    if (r.kind == R::Fresh) {
+      at::Tensor t = at::detail::empty_strided_cpu(r.sizes, r.strides, r.dtype);
+      st->known[t.unsafeGetTensorImpl()] = (int64_t)st->vals.size();
+      st->vals.emplace_back(t.getIntrusivePtr());
+      rec.fresh.emplace_back(WeakTensor(t.getIntrusivePtr()), weak_storage(t));
+      results.emplace_back(std::move(t));
+    } else if (r.kind == R::Alias) {
+      results.push_back(args[r.arg]);
+    } else {
+      results.emplace_back();
+    }
+  }
+  st->served.push_back(std::move(rec));
+  st->pos++;
+  g_served.fetch_add(1, std::memory_order_relaxed);
+  torch::jit::drop(*stack, n);
+  if (step.as_list) {
+    std::vector<at::Tensor> list;
+    for (auto& v : results) list.push_back(v.toTensor());
+    stack->emplace_back(std::move(list));
+  } else {
+    for (auto& v : results) stack->push_back(std::move(v));
+  }
+  return true;
+}
+
+void hand_back() {
+  State* st = t_state;
+  if (st == nullptr) return;
+  t_state = nullptr;
+  py::gil_scoped_acquire gil;
+  try {
+    record(*st);
+  } catch (...) {
+    release(st);
+    throw;
+  }
+  release(st);
+}
+
+void take_over(PyObject* planner) {
+  if (t_state != nullptr) hand_back();
+  PyObject* got = PyObject_CallNoArgs(planner);
+  if (got == nullptr) throw python_error();
+  py::object res = py::reinterpret_steal<py::object>(got);
+  if (res.is_none()) return;
+  auto pair = res.cast<py::tuple>();
+  auto st = std::make_unique<State>();
+  st->plan = pair[0].cast<std::shared_ptr<Plan>>();
+  st->seg = pair[1];
+  py::list outw = st->seg.attr("outw"), exts = st->seg.attr("exts");
+  for (py::handle w : outw) {
+    PyObject* obj = PyWeakref_GetObject(w.ptr());
+    if (obj != Py_None && THPVariable_Check(obj)) {
+      const at::Tensor& t = THPVariable_Unpack(obj);
+      st->known[t.unsafeGetTensorImpl()] = (int64_t)st->vals.size();
+      st->vals.emplace_back(t.getIntrusivePtr());
+    } else {
+      st->vals.emplace_back(StrongTensor());
+    }
+  }
+  for (py::handle x : exts) {
+    Impl* impl = THPVariable_Unpack(x.ptr()).unsafeGetTensorImpl();
+    st->known[impl] = ~(int64_t)st->exts.size();
+    st->exts.push_back(impl);
+  }
+  t_state = st.release();
+  g_plans.fetch_add(1, std::memory_order_relaxed);
+}
+
+void bind(py::module_& m) {
+  py::class_<Step, std::shared_ptr<Step>>(m, "Step");
+  py::class_<Plan, std::shared_ptr<Plan>>(m, "Plan");
+  m.def("make_step", &make_step);
+  m.def("make_plan", &make_plan);
+  m.def("hand_back", &hand_back);
+  m.def("serving", &serving);
+  m.def("served", &served);
+  py::module_ torch_mod = py::module_::import("torch");
+  g_plain[0] = (PyTypeObject*)torch_mod.attr("Tensor").ptr();
+  g_plain[1] = (PyTypeObject*)torch_mod.attr("nn").attr("Parameter").ptr();
+  py::object gone = py::module_::import("builtins").attr("type")("Gone", py::tuple(), py::dict());
+  py::object dummy = gone();
+  g_dead = PyWeakref_NewRef(dummy.ptr(), nullptr);  // dead once ``dummy`` goes, below
+  if (g_dead == nullptr) throw python_error();
+  const char* names[] = {"outw", "exts", "extw", "ids", "floats", "stor", "node", "expect",
+                         "hot_next"};
+  PyObject** slots[] = {&s_outw, &s_exts, &s_extw, &s_ids, &s_floats, &s_stor, &s_node,
+                        &s_expect, &s_hot_next};
+  for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
+    *slots[i] = PyUnicode_InternFromString(names[i]);
+}
+
+}  // namespace ae_hot

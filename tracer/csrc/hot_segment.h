@@ -1,0 +1,23 @@
+// A hot segment served below the floor (Note [Below the floor]): hot_segment.cpp, called by
+// the hot path's dispatch key (hot_key.cpp).
+#pragma once
+#include <torch/extension.h>
+
+namespace ae_hot {
+
+// Serve ``op`` (its arguments on ``stack``) as the next op of this thread's plan, without
+// Python: true when it did (results on the stack), false when the op is not the plan's next
+// (nothing changed).
+bool serve(const c10::OperatorHandle& op, torch::jit::Stack* stack);
+
+// Hand what the plan served to the tracer's Python segment and drop the plan (no-op without
+// one). Takes the interpreter lock.
+void hand_back();
+
+// After the engine's mode handled an op (the interpreter lock held): take the segment over
+// if the mode offers a plan for what follows (``planner`` is its ``key_plan``).
+void take_over(PyObject* planner);
+
+void bind(pybind11::module_& m);
+
+}  // namespace ae_hot

@@ -1,0 +1,141 @@
+"""Plans: what a hot segment expects next, compiled for the dispatch key (csrc/hot_segment.cpp).
+
+With ``NEURON_ADAPTIVE_EAGER_HOT_PATH=key`` (Note [Below the floor]), after the mode handled
+an op of a hot segment, the key asks ``plan(mode)`` for the ops the segment expects next: the
+trie nodes along ``hot_next`` from the segment's node, each compiled once into a ``Step`` (its
+checks per schema argument and its results, what the node's fast path checks and makes), up
+to the first node that needs Python: a view, a random op, an output on another device than
+the cpu or that ``empty_strided`` cannot make, an argument of a kind not compiled, a node
+where the segment launches early (``ends_here``) or is cut. The key then serves those ops in
+C++ and hands what it served back to the segment (``hand_back``) at the first op the plan
+does not expect, or whenever the engine's Python touches the segment.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from adaptive_eager.scheduler.program import Ext, Rec, Val, _minimal
+
+from . import signature
+
+__all__ = ["plan", "step_of"]
+
+_REC_KIND = {float: 0, int: 1, bool: 2}
+_VALUES = (type(None), bool, int, float, str, torch.dtype, torch.layout, torch.memory_format,
+           torch.device)
+
+
+class _Python(Exception):
+    """The node needs Python."""
+
+
+def _leaf(t, param, n_ext_before: int, spec, seen_new: dict):
+    tt = type(t)
+    if tt is Val:
+        return ("val", t.i)
+    if tt is Ext:
+        if t.k < n_ext_before:
+            return ("ext", t.k)
+        j = t.k - n_ext_before
+        if j in seen_new:
+            return ("same", j)
+        seen_new[j] = True
+        m = spec.ext_metas[j]
+        return ("new", j, m.dtype, list(m.shape), list(m.stride), m.device)
+    if tt is Rec:
+        kind = _REC_KIND.get(spec.rec_types[t.j])
+        if kind is None:
+            raise _Python(f"a recorded {spec.rec_types[t.j].__name__}")
+        return ("rec", t.j, kind)
+    if tt is list or tt is tuple:
+        if not any(type(y) in (Val, Ext, Rec, list, tuple) for y in t):
+            return ("value", t)
+        if str(param.type) != "List[Tensor]":
+            raise _Python(f"a list of {param.type}")
+        return ("tensors", [_leaf(y, param, n_ext_before, spec, seen_new) for y in t])
+    if isinstance(t, _VALUES):
+        return ("value", t)
+    raise _Python(f"an argument of type {tt.__name__}")
+
+
+def _describe(node):
+    spec = node.spec
+    if spec.view or spec.ext_view:
+        raise _Python("a view")
+    if spec.random:
+        raise _Python("a random op")
+    if node.blocked:
+        raise _Python("a blocked node")
+    params = spec.func._schema.arguments
+    if len(spec.args) > len(params):
+        raise _Python("more arguments than the schema")
+    n_ext_before = node.parent.n_ext
+    seen: dict = {}
+    checks = []
+    for i, p in enumerate(params):
+        if i < len(spec.args):
+            checks.append(_leaf(spec.args[i], p, n_ext_before, spec, seen))
+        elif p.name in spec.kwargs:
+            checks.append(_leaf(spec.kwargs[p.name], p, n_ext_before, spec, seen))
+        elif p.has_default_value():
+            checks.append(("default",))
+        else:
+            raise _Python(f"argument {p.name} missing")
+    if set(spec.kwargs) - {p.name for p in params}:
+        raise _Python("a keyword the schema does not have")
+    names = [p.name for p in params]
+    outs = []
+    for o in spec.outs:
+        if o.kind == "fresh":
+            m = o.meta
+            if not (m.offset == 0 and _minimal(m)) or m.device.type != "cpu":
+                raise _Python("a result empty_strided_cpu cannot make")
+            if signature.ALLOCATORS.get(m.device.type) is not None:
+                raise _Python("a device with its own allocator")
+            outs.append(("fresh", m.dtype, list(m.shape), list(m.stride)))
+        elif o.kind == "alias":
+            outs.append(("alias", o.arg if type(o.arg) is int else names.index(o.arg)))
+        elif o.kind == "none":
+            outs.append(("none",))
+        else:
+            raise _Python(f"a result of kind {o.kind}")
+    returns = spec.func._schema.returns
+    as_list = len(returns) == 1 and str(returns[0].type) == "List[Tensor]"
+    if not as_list and len(outs) != len(returns):
+        raise _Python("results that are not the schema's")
+    return checks, outs, len(seen)
+
+
+def step_of(node, module):
+    """The node's compiled step, or None where it needs Python (built once, kept on it)."""
+    step = node.step
+    if step is None:
+        try:
+            checks, outs, n_new = _describe(node)
+            schema = node.spec.func._schema
+            step = module.make_step(schema.name, schema.overload_name, checks, outs,
+                                    node.spec.n_floats, n_new, node.spec.default_dtype)
+        except (_Python, RuntimeError, TypeError, ValueError):
+            step = False
+        node.step = step
+    return step or None
+
+
+def plan(mode, module):
+    """(the plan for what the mode's hot segment expects next, the segment), or None."""
+    S = mode.seg
+    if not S.hot or mode.paused or S.node is None or len(S.exts) != len(S.extw):
+        return None
+    steps, nodes = [], []
+    n = S.node.hot_next
+    while n is not None and n.hot and not n.ends_here and not n.cut:
+        step = step_of(n, module)
+        if step is None:
+            break
+        steps.append(step)
+        nodes.append(n)
+        n = n.hot_next
+    if not steps:
+        return None
+    return module.make_plan(steps, tuple(nodes)), S
