@@ -8,7 +8,11 @@ structs, and a boxed fallback for every other op. The key is ``Fake``, the one f
 key between BackendSelect and Python. This module loads it and switches it on and off; what
 its kernels do is an ``action``, chosen for measuring the mechanism
 (benchmarks/below_floor.py) or ``route`` for the engine (``NEURON_ADAPTIVE_EAGER_HOT_PATH=
-key``), where every op reaches the mode through the key. No hot op is served in C++ yet.
+key``), where every op reaches the mode through the key, except the ops of a hot segment
+that the key's plan expects: after each op the mode handled, the key asks it for a plan of
+what follows (tracer/hot_plan.py) and serves those ops in C++ without the interpreter lock
+(csrc/hot_segment.cpp), handing them to the segment at the first op the plan does not
+expect or when the engine's Python touches the segment (``settle``).
 
 What the mechanism taught (each tried here, torch 2.13):
 
@@ -38,7 +42,13 @@ What the mechanism taught (each tried here, torch 2.13):
 * Calling the engine's handler from our kernel, not through the Python key, gains the engine
   nothing (chain-small 6.57 against 6.31 µs an op): its compiled handler already skips what
   that skips. The cost is the Python objects each op makes; only a hot path served without
-  Python (segment state in C++, no interpreter lock) goes below the floor.
+  Python (segment state in C++, no interpreter lock) goes below the floor: the plans.
+* Open under ``key``: autograd unpacks a saved output as a new tensor on the output's memory
+  without an op when no mode is seen (with a mode it is a ``detach`` the mode sees). In a
+  hot segment that output is still pending, so the engine meets a new external sharing a
+  deferred value's memory; a fused graph reads it before computing the value (NaN in
+  gradients: tanh's backward, llama under inductor). The exact replay, which writes each
+  value as it goes, is unaffected. To be fixed before the key leaves ``experimental``.
 * Autograd accumulates a gradient in place (``add_``) when nothing else holds the buffer's
   memory, out of place otherwise; with no mode seen as active it asks, as plain eager does.
   The engine's cold runs made the buffer's Python storage object, which holds the memory,
