@@ -17,11 +17,12 @@ import torch
 
 from adaptive_eager.scheduler.program import Ext, Rec, Val, _minimal
 
-from . import signature
+from . import signature, trie
 
 __all__ = ["plan", "step_of"]
 
 _REC_KIND = {float: 0, int: 1, bool: 2}
+_LONGEST = 4096  # steps in one plan: the key asks again where one ends
 _VALUES = (type(None), bool, int, float, str, torch.dtype, torch.layout, torch.memory_format,
            torch.device)
 
@@ -125,17 +126,23 @@ def step_of(node, module):
 def plan(mode, module):
     """(the plan for what the mode's hot segment expects next, the segment), or None."""
     S = mode.seg
-    if not S.hot or mode.paused or S.node is None or len(S.exts) != len(S.extw):
+    start = S.node
+    if not S.hot or mode.paused or start is None or len(S.exts) != len(S.extw):
         return None
+    cached = start.plan
+    if cached is None or cached[0] != trie.epoch:
+        cached = start.plan = (trie.epoch, _build(start, module))
+    return None if cached[1] is None else (cached[1], S)
+
+
+def _build(start, module):
     steps, nodes = [], []
-    n = S.node.hot_next
-    while n is not None and n.hot and not n.ends_here and not n.cut:
+    n = start.hot_next
+    while n is not None and n.hot and not n.ends_here and not n.cut and len(steps) < _LONGEST:
         step = step_of(n, module)
         if step is None:
             break
         steps.append(step)
         nodes.append(n)
         n = n.hot_next
-    if not steps:
-        return None
-    return module.make_plan(steps, tuple(nodes)), S
+    return module.make_plan(steps, tuple(nodes)) if steps else None

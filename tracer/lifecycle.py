@@ -62,7 +62,7 @@ from adaptive_eager.scheduler.program import (InductorDiffers, OpFailed, Rec, al
                                               host_call)
 from adaptive_eager.scheduler.queues import queue_for
 
-from . import native
+from . import native, trie
 from .signature import make_fast
 from .trie import Node
 
@@ -220,6 +220,7 @@ def _probability_arg(func):
 def block(node: Node, reason: str, mode) -> None:
     """Never defer at ``node`` again; paths through it lose their graphs."""
     node.blocked = reason
+    trie.changed()
     mode.counters.fallback(reason)
     stack = [node]
     while stack:
@@ -268,6 +269,7 @@ def cut(mode, node: Node, func, line: str) -> None:
     reason = (f"path cut: diverged {node.diverged} times after {node.spec.func} "
               f"({node.spec.line}), at {func} ({line})")
     node.cut = reason
+    trie.changed()
     mode.counters.fallback(reason)
     if mode.debug >= 1:
         log.info("%s", reason)
@@ -278,6 +280,7 @@ def cut(mode, node: Node, func, line: str) -> None:
             retire(mode, n.path, "cut short: " + reason)
         stack += n.children.values()
     node.ends_here = True
+    trie.changed()
 
 
 def _warm(mode, node: Node, path: Path) -> None:
@@ -473,6 +476,7 @@ def _ends_here(n) -> bool:
 
 
 def _refresh_ends(nodes) -> None:
+    trie.changed()
     for n in nodes:
         n.ends_here = _ends_here(n)
         if n.parent is not None:

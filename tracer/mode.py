@@ -41,7 +41,7 @@ from adaptive_eager.scheduler.program import Val
 from adaptive_eager.scheduler.stats import Counters
 from adaptive_eager.scheduler.userline import user_line as _user_line
 
-from . import hot_plan, learn, lifecycle
+from . import hot_plan, learn, lifecycle, trie
 from .optable import OpClass, info as op_info
 from .segment import Segment, release_weak
 from .signature import MISS, Unsupported, describe_kind, is_plain, observe
@@ -188,7 +188,9 @@ class AdaptiveEagerMode(TorchDispatchMode):
             return self._boundary_op(func, args, kwargs, u.args[0])
         child = node.children.get(op.key)
         if child is not None and child.hot and (S.hot or node.depth == 0):
-            node.hot_next = child
+            if node.hot_next is not child:
+                node.hot_next = child
+                trie.changed()
             r = child.fast(args, kwargs, S)
             if r is not MISS:
                 return r

@@ -44,7 +44,7 @@ class Segment:
     __slots__ = (
         "owner", "root", "node", "expect", "hot", "ids", "outw", "stor", "exts", "extw",
         "floats", "rng", "t0", "n_ops", "_written", "_written_at", "_by_storage", "_n_indexed",
-        "cold_storage",
+        "cold_storage", "serial",
     )
 
     def __init__(self, owner, root):
@@ -58,6 +58,9 @@ class Segment:
             for ref in cold.values():
                 _free_weak(ref)
         self.owner.release_weak(getattr(self, "stor", ()))
+        # bumped whenever the values and externals are renumbered or dropped: what the
+        # dispatch key's plans imported from them is stale (csrc/hot_segment.cpp)
+        self.serial = getattr(self, "serial", 0) + 1
         self.cold_storage: dict = {}  # value index -> weak storage ref (cold fresh outputs)
         self.node = self.root
         self.expect = self.root.hot_next
@@ -205,4 +208,5 @@ class Segment:
         self.owner.release_weak(self.stor)
         self.stor = [None] * len(self.stor)
         self.exts = []
+        self.serial += 1
         self.rng = None

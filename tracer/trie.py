@@ -16,13 +16,22 @@ at the next boundary.
 
 from __future__ import annotations
 
-__all__ = ["Node", "new_root"]
+__all__ = ["Node", "changed", "new_root"]
+
+# Bumped whenever the nodes a hot path takes or where it ends may have changed (hot marking,
+# cuts, blocks): plans built from the trie for the dispatch key (tracer.hot_plan) are stale.
+epoch = 0
+
+
+def changed() -> None:
+    global epoch
+    epoch += 1
 
 
 class Node:
     __slots__ = (
         "parent", "depth", "key", "spec", "children", "visits", "ends", "hot_ends",
-        "hot_next", "ends_here", "fast", "step", "path", "n_ext", "n_vals", "blocked", "diverged",
+        "hot_next", "ends_here", "fast", "step", "plan", "path", "n_ext", "n_vals", "blocked", "diverged",
         "cut", "__weakref__",
     )
 
@@ -39,6 +48,7 @@ class Node:
         self.ends_here = False
         self.fast = None
         self.step = None  # its step for the dispatch key's plans (tracer.hot_plan): False if none
+        self.plan = None  # (trie epoch, the plan of what follows it, or None)
         self.path = None  # tracer.lifecycle.Path once segments end here
         self.n_ext = n_ext  # external inputs seen from the root through this op
         self.n_vals = n_vals  # segment values produced from the root through this op

@@ -83,6 +83,7 @@ struct Served {
 struct State {
   std::shared_ptr<Plan> plan;
   py::object seg;
+  int64_t serial = 0;                           // the segment's serial these tables are of
   size_t pos = 0;
   std::vector<WeakTensor> vals;                 // value i (a null one: dead at take-over)
   std::vector<Impl*> exts;                      // external k (held by the segment or below)
@@ -91,6 +92,9 @@ struct State {
 };
 
 thread_local State* t_state = nullptr;
+// The tables of the last plan, kept after its hand-back: a plan taken later in the same
+// segment (after a host op, say) imports only what Python added since.
+thread_local State* t_kept = nullptr;
 std::atomic<int64_t> g_served{0}, g_plans{0};  // ops served, plans taken (this process)
 PyTypeObject* g_plain[2] = {nullptr, nullptr};  // torch.Tensor, torch.nn.Parameter
 PyObject* g_dead = nullptr;                     // a weak reference to nothing
@@ -275,11 +279,43 @@ void record(State& st) {
   }
 }
 
-void release(State* st) {
+void drop_served(State* st) {
   for (Served& op : st->served)
     for (auto& f : op.fresh)
       if (f.second != nullptr) c10::raw::weak_intrusive_ptr::decref(f.second);
+  st->served.clear();
+}
+
+void release(State* st) {
+  if (st == nullptr) return;
+  drop_served(st);
   delete st;
+}
+
+int64_t serial_of(PyObject* seg) {
+  py::object v = py::reinterpret_steal<py::object>(PyObject_GetAttrString(seg, "serial"));
+  if (!v) throw python_error();
+  return v.cast<int64_t>();
+}
+
+// Python's values and externals from ``st``'s sizes on into its tables.
+void import_tail(State* st) {
+  py::list outw = st->seg.attr("outw"), exts = st->seg.attr("exts");
+  for (size_t i = st->vals.size(); i < (size_t)outw.size(); i++) {
+    PyObject* obj = PyWeakref_GetObject(outw[i].ptr());
+    if (obj != Py_None && THPVariable_Check(obj)) {
+      const at::Tensor& t = THPVariable_Unpack(obj);
+      st->known[t.unsafeGetTensorImpl()] = (int64_t)st->vals.size();
+      st->vals.emplace_back(t.getIntrusivePtr());
+    } else {
+      st->vals.emplace_back(StrongTensor());
+    }
+  }
+  for (size_t k = st->exts.size(); k < (size_t)exts.size(); k++) {
+    Impl* impl = THPVariable_Unpack(exts[k].ptr()).unsafeGetTensorImpl();
+    st->known[impl] = ~(int64_t)st->exts.size();
+    st->exts.push_back(impl);
+  }
 }
 
 // ---------------------------------------------------------------- building steps
@@ -426,7 +462,11 @@ void hand_back() {
     release(st);
     throw;
   }
-  release(st);
+  drop_served(st);
+  st->plan.reset();
+  st->pos = 0;
+  release(t_kept);
+  t_kept = st;
 }
 
 void take_over(PyObject* planner) {
@@ -436,26 +476,24 @@ void take_over(PyObject* planner) {
   py::object res = py::reinterpret_steal<py::object>(got);
   if (res.is_none()) return;
   auto pair = res.cast<py::tuple>();
-  auto st = std::make_unique<State>();
+  py::object seg = pair[1];
+  int64_t serial = serial_of(seg.ptr());
+  State* st = t_kept;
+  t_kept = nullptr;
+  if (st == nullptr || !st->seg.is(seg) || st->serial != serial) {
+    release(st);
+    st = new State();
+    st->seg = seg;
+    st->serial = serial;
+  }
   st->plan = pair[0].cast<std::shared_ptr<Plan>>();
-  st->seg = pair[1];
-  py::list outw = st->seg.attr("outw"), exts = st->seg.attr("exts");
-  for (py::handle w : outw) {
-    PyObject* obj = PyWeakref_GetObject(w.ptr());
-    if (obj != Py_None && THPVariable_Check(obj)) {
-      const at::Tensor& t = THPVariable_Unpack(obj);
-      st->known[t.unsafeGetTensorImpl()] = (int64_t)st->vals.size();
-      st->vals.emplace_back(t.getIntrusivePtr());
-    } else {
-      st->vals.emplace_back(StrongTensor());
-    }
+  try {
+    import_tail(st);
+  } catch (...) {
+    release(st);
+    throw;
   }
-  for (py::handle x : exts) {
-    Impl* impl = THPVariable_Unpack(x.ptr()).unsafeGetTensorImpl();
-    st->known[impl] = ~(int64_t)st->exts.size();
-    st->exts.push_back(impl);
-  }
-  t_state = st.release();
+  t_state = st;
   g_plans.fetch_add(1, std::memory_order_relaxed);
 }
 
