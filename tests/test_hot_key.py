@@ -174,3 +174,29 @@ def test_hot_segment_is_served_below_the_floor_and_handed_back_at_the_read(monke
     # it: random ops need Python) is served below the floor, by two plans a step: 17 of the
     # 18 chain ops, then the mul and the sum
     assert plans == 2 * 4 and served == 19 * 4
+
+
+def test_plan_gives_autograd_the_undefined_gradients_it_expects(monkeypatch):
+    # layer_norm's backward with the input needing no gradient returns an undefined tensor in
+    # that place: a served op must hand autograd an undefined tensor there, not None
+    import adaptive_eager as ae
+
+    monkeypatch.setenv("NEURON_ADAPTIVE_EAGER_HOT_PATH", "key")
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    w = torch.randn(8, requires_grad=True)
+    b = torch.randn(8, requires_grad=True)
+
+    def step():
+        y = torch.nn.functional.layer_norm(x * 2, (8,), w, b)
+        (y * y).sum().backward()
+        out = (w.grad.sum() + b.grad.sum()).item()
+        w.grad = b.grad = None
+        return out
+
+    ref = [step() for _ in range(6)]
+    before = hot_key.load().served()[0]
+    with ae.enabled(devices=("cpu",), backend="exact"):
+        got = [step() for _ in range(6)]
+    assert got == ref
+    assert hot_key.load().served()[0] > before

@@ -3,9 +3,10 @@
 With ``NEURON_ADAPTIVE_EAGER_HOT_PATH=key`` (Note [Below the floor]), after the mode handled
 an op of a hot segment, the key asks ``plan(mode)`` for the ops the segment expects next: the
 trie nodes along ``hot_next`` from the segment's node, each compiled once into a ``Step`` (its
-checks per schema argument and its results, what the node's fast path checks and makes), up
-to the first node that needs Python: a view, a random op, an output on another device than
-the cpu or that ``empty_strided`` cannot make, an argument of a kind not compiled, a node
+checks per schema argument and its results, what the node's fast path checks and makes; a
+view op runs at once, as there), up to the first node that needs Python: a view of an
+external, a random op, an output ``empty_strided`` cannot make or on a device with an
+allocator in Python (the Python emulator), an argument of a kind not compiled, a node
 where the segment launches early (``ends_here``) or is cut. The key then serves those ops in
 C++ and hands what it served back to the segment (``hand_back``) at the first op the plan
 does not expect, or whenever the engine's Python touches the segment.
@@ -62,8 +63,8 @@ def _leaf(t, param, n_ext_before: int, spec, seen_new: dict):
 
 def _describe(node):
     spec = node.spec
-    if spec.view or spec.ext_view:
-        raise _Python("a view")
+    if spec.ext_view:
+        raise _Python("a view of an external")
     if spec.random:
         raise _Python("a random op")
     if node.blocked:
@@ -87,14 +88,14 @@ def _describe(node):
         raise _Python("a keyword the schema does not have")
     names = [p.name for p in params]
     outs = []
-    for o in spec.outs:
+    for o in () if spec.view else spec.outs:  # a view's results are its op's
         if o.kind == "fresh":
             m = o.meta
-            if not (m.offset == 0 and _minimal(m)) or m.device.type != "cpu":
-                raise _Python("a result empty_strided_cpu cannot make")
+            if not (m.offset == 0 and _minimal(m)):
+                raise _Python("a result empty_strided cannot make")
             if signature.ALLOCATORS.get(m.device.type) is not None:
                 raise _Python("a device with its own allocator")
-            outs.append(("fresh", m.dtype, list(m.shape), list(m.stride)))
+            outs.append(("fresh", m.dtype, list(m.shape), list(m.stride), m.device))
         elif o.kind == "alias":
             outs.append(("alias", o.arg if type(o.arg) is int else names.index(o.arg)))
         elif o.kind == "none":
@@ -103,7 +104,7 @@ def _describe(node):
             raise _Python(f"a result of kind {o.kind}")
     returns = spec.func._schema.returns
     as_list = len(returns) == 1 and str(returns[0].type) == "List[Tensor]"
-    if not as_list and len(outs) != len(returns):
+    if not spec.view and not as_list and len(outs) != len(returns):
         raise _Python("results that are not the schema's")
     return checks, outs, len(seen)
 
@@ -116,7 +117,8 @@ def step_of(node, module):
             checks, outs, n_new = _describe(node)
             schema = node.spec.func._schema
             step = module.make_step(schema.name, schema.overload_name, checks, outs,
-                                    node.spec.n_floats, n_new, node.spec.default_dtype)
+                                    node.spec.n_floats, n_new, node.spec.default_dtype,
+                                    node.spec.view)
         except (_Python, RuntimeError, TypeError, ValueError):
             step = False
         node.step = step

@@ -184,7 +184,7 @@ bool to_engine(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 }
 
 void route(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
-  if (ae_hot::serve(op, stack)) return;
+  if (ae_hot::serve(op, ks, stack)) return;
   ae_hot::hand_back();
   if (to_engine(op, stack)) return;
   auto below = ks.remove(kKey);

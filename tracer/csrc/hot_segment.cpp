@@ -10,6 +10,7 @@
 #include "hot_segment.h"
 
 #include <ATen/EmptyTensor.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -52,8 +53,10 @@ enum class R { Fresh, Alias, None };
 struct Result {
   R kind = R::None;
   int64_t arg = 0;               // Alias: the argument returned
-  at::ScalarType dtype = at::kFloat;
+  at::ScalarType dtype = at::kFloat;  // Fresh: what to allocate
   std::vector<int64_t> sizes, strides;
+  c10::Device device = c10::Device(c10::kCPU);
+  bool undefined = false;        // None: an undefined tensor (a Tensor return), not None
 };
 
 struct Step {
@@ -61,6 +64,7 @@ struct Step {
   std::vector<Check> args;       // one per schema argument
   std::vector<Result> outs;
   bool as_list = false;          // the op returns one Tensor[]
+  bool view = false;             // a view op: run at once, below the key; its results are values
   int64_t n_recs = 0, n_new = 0;
   std::optional<at::ScalarType> default_dtype;  // a factory: the default dtype it was learned at
 };
@@ -72,10 +76,10 @@ struct Plan {
 
 // One served op, as the Python segment will record it.
 struct Served {
-  size_t step;
   std::vector<at::Tensor> new_exts;
   std::vector<c10::IValue> recs;
-  std::vector<std::pair<WeakTensor, c10::StorageImpl*>> fresh;  // output, weak storage handle
+  // its values: a fresh output with its weak storage handle, or a view's result (no handle)
+  std::vector<std::pair<WeakTensor, c10::StorageImpl*>> fresh;
 };
 
 // The thread's segment while a plan serves it: the Python segment's values and externals
@@ -267,8 +271,13 @@ void record(State& st) {
         Py_INCREF(g_dead);
         append(outw.ptr(), g_dead);
       }
-      append(stor.ptr(), PyLong_FromVoidPtr(handle));
-      handle = nullptr;  // the segment owns it now
+      if (handle == nullptr) {  // a view's result: no storage reference
+        Py_INCREF(Py_None);
+        append(stor.ptr(), Py_None);
+      } else {
+        append(stor.ptr(), PyLong_FromVoidPtr(handle));
+        handle = nullptr;  // the segment owns it now
+      }
     }
   }
   if (!st.served.empty()) {
@@ -353,7 +362,7 @@ Check to_check(py::handle spec, const c10::Argument& arg) {
 
 std::shared_ptr<Step> make_step(const std::string& name, const std::string& overload,
                                 py::list args, py::list outs, int64_t n_recs, int64_t n_new,
-                                py::object default_dtype) {
+                                py::object default_dtype, bool view) {
   auto step = std::make_shared<Step>();
   step->op = c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), overload.c_str());
   const auto& schema = step->op->schema();
@@ -362,6 +371,7 @@ std::shared_ptr<Step> make_step(const std::string& name, const std::string& over
   for (size_t i = 0; i < args.size(); i++)
     step->args.push_back(to_check(args[i], schema.arguments()[i]));
   for (py::handle o : outs) {
+    size_t j = step->outs.size();
     auto t = o.cast<py::tuple>();
     std::string kind = t[0].cast<std::string>();
     Result r;
@@ -370,14 +380,18 @@ std::shared_ptr<Step> make_step(const std::string& name, const std::string& over
       r.dtype = dtype_of(t[1]);
       r.sizes = t[2].cast<std::vector<int64_t>>();
       r.strides = t[3].cast<std::vector<int64_t>>();
+      r.device = t[4].cast<c10::Device>();
     } else if (kind == "alias") {
       r.kind = R::Alias;
       r.arg = t[1].cast<int64_t>();
+    } else if (j < schema.returns().size()) {
+      r.undefined = schema.returns()[j].real_type()->kind() == c10::TypeKind::TensorType;
     }
     step->outs.push_back(std::move(r));
   }
   step->as_list = schema.returns().size() == 1 &&
                   schema.returns()[0].real_type()->kind() == c10::TypeKind::ListType;
+  step->view = view;
   step->n_recs = n_recs;
   step->n_new = n_new;
   if (!default_dtype.is_none())
@@ -399,7 +413,26 @@ std::vector<int64_t> served() { return {g_served.load(), g_plans.load()}; }
 
 }  // namespace
 
-bool serve(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+// An op run below the key, and every op it calls, with the key off in the thread.
+struct KeyOff {
+  bool was = c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::Fake);
+  KeyOff() { c10::impl::tls_set_dispatch_key_included(c10::DispatchKey::Fake, false); }
+  ~KeyOff() { c10::impl::tls_set_dispatch_key_included(c10::DispatchKey::Fake, was); }
+};
+
+at::Tensor allocate(const Result& r) {
+  if (r.device.is_cpu()) return at::detail::empty_strided_cpu(r.sizes, r.strides, r.dtype);
+  KeyOff off;  // the device's own allocation, through the dispatcher
+  return at::empty_strided(r.sizes, r.strides, at::TensorOptions().dtype(r.dtype).device(r.device));
+}
+
+void add_value(State& st, Served& rec, const at::Tensor& t, bool fresh) {
+  st.known[t.unsafeGetTensorImpl()] = (int64_t)st.vals.size();
+  st.vals.emplace_back(t.getIntrusivePtr());
+  rec.fresh.emplace_back(WeakTensor(t.getIntrusivePtr()), fresh ? weak_storage(t) : nullptr);
+}
+
+bool serve(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
   State* st = t_state;
   if (st == nullptr || st->pos >= st->plan->steps.size()) return false;
   const Step& step = *st->plan->steps[st->pos];
@@ -415,7 +448,7 @@ bool serve(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       c10::typeMetaToScalarType(at::get_default_dtype()) != *step.default_dtype)
     return false;
   // It matches: record it and make its results, as its fast path does.
-  Served rec{st->pos};
+  Served rec;
   for (at::Tensor& t : m.fresh) {
     Impl* impl = t.unsafeGetTensorImpl();
     st->known[impl] = ~(int64_t)st->exts.size();
@@ -423,16 +456,34 @@ bool serve(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     rec.new_exts.push_back(std::move(t));
   }
   rec.recs = std::move(m.recs);
+  if (step.view) {  // run it now (a view: no data is touched); each result a value
+    {
+      KeyOff off;
+      op.redispatchBoxed(ks.remove(c10::DispatchKey::Fake), stack);
+    }
+    size_t n_out = op.schema().returns().size();
+    for (const c10::IValue& v : torch::jit::last(*stack, n_out)) {
+      if (v.isTensor()) {
+        add_value(*st, rec, v.toTensor(), false);
+      } else if (v.isTensorList()) {
+        for (const at::Tensor& t : v.toTensorList().vec()) add_value(*st, rec, t, false);
+      }
+    }
+    st->served.push_back(std::move(rec));
+    st->pos++;
+    g_served.fetch_add(1, std::memory_order_relaxed);
+    return true;
+  }
   std::vector<c10::IValue> results;
   for (const Result& r : step.outs) {
     if (r.kind == R::Fresh) {
-      at::Tensor t = at::detail::empty_strided_cpu(r.sizes, r.strides, r.dtype);
-      st->known[t.unsafeGetTensorImpl()] = (int64_t)st->vals.size();
-      st->vals.emplace_back(t.getIntrusivePtr());
-      rec.fresh.emplace_back(WeakTensor(t.getIntrusivePtr()), weak_storage(t));
+      at::Tensor t = allocate(r);
+      add_value(*st, rec, t, true);
       results.emplace_back(std::move(t));
     } else if (r.kind == R::Alias) {
       results.push_back(args[r.arg]);
+    } else if (r.undefined) {
+      results.emplace_back(at::Tensor());
     } else {
       results.emplace_back();
     }

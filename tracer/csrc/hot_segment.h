@@ -8,7 +8,8 @@ namespace ae_hot {
 // Serve ``op`` (its arguments on ``stack``) as the next op of this thread's plan, without
 // Python: true when it did (results on the stack), false when the op is not the plan's next
 // (nothing changed).
-bool serve(const c10::OperatorHandle& op, torch::jit::Stack* stack);
+// ``ks`` is the key set the op reached the key with (a view op runs below it).
+bool serve(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack);
 
 // Hand what the plan served to the tracer's Python segment and drop the plan (no-op without
 // one). Takes the interpreter lock.
