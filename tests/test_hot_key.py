@@ -200,3 +200,43 @@ def test_plan_gives_autograd_the_undefined_gradients_it_expects(monkeypatch):
         got = [step() for _ in range(6)]
     assert got == ref
     assert hot_key.load().served()[0] > before
+
+
+def test_plan_is_handed_back_before_autograd_device_thread_touches_the_segment(monkeypatch):
+    # On an accelerator autograd runs the backward on a thread of its own, and the ops of one
+    # segment (the step's forward on the program's thread, its backward on that one) reach
+    # the key from both: a plan belongs to the segment, not to a thread, and is handed back
+    # before the engine's Python handles an op of that segment on either thread.
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    import adaptive_eager as ae
+    import adaptive_eager.neuron as neuron
+
+    if not neuron.is_emulated():
+        pytest.skip("torch-neuronx is installed")
+    monkeypatch.setenv("NEURON_ADAPTIVE_EAGER_HOT_PATH", "key")
+    neuron.ensure()
+
+    def losses(engine):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4)).to("neuron")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = torch.randn(8, 16).to("neuron"), torch.randint(0, 4, (8,)).to("neuron")
+
+        def step():
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.item()
+
+        if not engine:
+            return [step() for _ in range(8)]
+        with ae.enabled(devices=("neuron",), backend="exact"):
+            return [step() for _ in range(8)]
+
+    ref = losses(False)
+    before = hot_key.load().served()[0]
+    assert losses(True) == ref
+    assert hot_key.load().served()[0] > before

@@ -24,6 +24,7 @@ force a flush at the ``.item()`` that follows each one.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -112,7 +113,7 @@ class AdaptiveEagerMode(TorchDispatchMode):
             from . import hot_key
 
             self._keyed = hot_key.load()
-            self.settle = self._keyed.hand_back
+            self.settle = functools.partial(self._keyed.hand_back, self)
 
     def key_plan(self):
         """What the hot segment expects next, for the dispatch key to serve, or None."""

@@ -179,13 +179,13 @@ bool to_engine(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (out == nullptr) throw python_error();
   auto result = pybind11::reinterpret_steal<pybind11::object>(out);
   push_result(schema, stack, result);
-  if (t_planner != nullptr) ae_hot::take_over(t_planner);  // what follows, below the floor
+  if (t_planner != nullptr) ae_hot::take_over(t_planner, t_mode);  // what follows, below the floor
   return true;
 }
 
 void route(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
   if (ae_hot::serve(op, ks, stack)) return;
-  ae_hot::hand_back();
+  ae_hot::hand_back_top();
   if (to_engine(op, stack)) return;
   auto below = ks.remove(kKey);
   if (c10::impl::TorchDispatchModeTLS::stack_len() == 0) {
@@ -299,8 +299,8 @@ bool is_on() { return c10::impl::tls_is_dispatch_key_included(kKey); }
 // any op: a change made inside one is undone when it returns). Returns the previous state.
 bool set_engaged(bool on, pybind11::object mode) {
   bool was = is_on() && c10::impl::tls_is_dispatch_key_excluded(kPython);
+  if (t_mode != nullptr) ae_hot::forget(t_mode);
   if (g_no_types == nullptr) g_no_types = PyTuple_New(0);
-  ae_hot::hand_back();
   Py_CLEAR(t_handler);
   Py_CLEAR(t_planner);
   t_mode = nullptr;

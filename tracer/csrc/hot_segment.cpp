@@ -13,10 +13,13 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/Exceptions.h>
+#include <torch/csrc/PyInterpreter.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 
 #include <atomic>
+#include <mutex>
 #include <optional>
 #include <unordered_map>
 #include <vector>
@@ -95,10 +98,15 @@ struct State {
   std::vector<Served> served;
 };
 
-thread_local State* t_state = nullptr;
-// The tables of the last plan, kept after its hand-back: a plan taken later in the same
-// segment (after a host op, say) imports only what Python added since.
-thread_local State* t_kept = nullptr;
+// The plan each mode's segment is served by, and the tables of its last plan, kept after the
+// hand-back: a plan taken later in the same segment (after a host op, say) imports only what
+// Python added since. Keyed by mode, not by thread: autograd runs a device's backward on a
+// thread of its own, and ops of one segment may reach the key from either thread (one at a
+// time: the program's thread waits in backward()). ``g_mu`` guards the maps and the states;
+// whoever takes the interpreter lock as well takes it first.
+std::mutex g_mu;
+std::unordered_map<PyObject*, State*> g_active, g_kept;
+
 std::atomic<int64_t> g_served{0}, g_plans{0};  // ops served, plans taken (this process)
 PyTypeObject* g_plain[2] = {nullptr, nullptr};  // torch.Tensor, torch.nn.Parameter
 PyObject* g_dead = nullptr;                     // a weak reference to nothing
@@ -407,8 +415,11 @@ std::shared_ptr<Plan> make_plan(py::list steps, py::tuple nodes) {
   return plan;
 }
 
-// Does this thread hold a plan now; (ops served, plans taken) in this process.
-bool serving() { return t_state != nullptr; }
+// Does any segment hold a plan now; (ops served, plans taken) in this process.
+bool serving() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  return !g_active.empty();
+}
 std::vector<int64_t> served() { return {g_served.load(), g_plans.load()}; }
 
 }  // namespace
@@ -432,9 +443,21 @@ void add_value(State& st, Served& rec, const at::Tensor& t, bool fresh) {
   rec.fresh.emplace_back(WeakTensor(t.getIntrusivePtr()), fresh ? weak_storage(t) : nullptr);
 }
 
+// The dispatch mode on top of this thread's stack (the engine's, when a plan may serve).
+PyObject* top_mode() {
+  auto n = c10::impl::TorchDispatchModeTLS::stack_len();
+  if (n == 0) return nullptr;
+  return c10::impl::TorchDispatchModeTLS::get_stack_at(n - 1)->ptr(getPyInterpreter());
+}
+
 bool serve(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
-  State* st = t_state;
-  if (st == nullptr || st->pos >= st->plan->steps.size()) return false;
+  PyObject* mode = top_mode();
+  if (mode == nullptr) return false;
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto found = g_active.find(mode);
+  if (found == g_active.end()) return false;
+  State* st = found->second;
+  if (st->pos >= st->plan->steps.size()) return false;
   const Step& step = *st->plan->steps[st->pos];
   if (op != *step.op) return false;
   size_t n = step.args.size();
@@ -502,11 +525,18 @@ bool serve(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::St
   return true;
 }
 
-void hand_back() {
-  State* st = t_state;
-  if (st == nullptr) return;
-  t_state = nullptr;
+void hand_back(PyObject* mode) {
+  if (mode == nullptr) return;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);  // no plan: nothing to do, without the GIL
+    if (g_active.find(mode) == g_active.end()) return;
+  }
   py::gil_scoped_acquire gil;
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto found = g_active.find(mode);
+  if (found == g_active.end()) return;
+  State* st = found->second;
+  g_active.erase(found);
   try {
     record(*st);
   } catch (...) {
@@ -516,12 +546,25 @@ void hand_back() {
   drop_served(st);
   st->plan.reset();
   st->pos = 0;
-  release(t_kept);
-  t_kept = st;
+  auto kept = g_kept.find(mode);
+  if (kept != g_kept.end()) release(kept->second);
+  g_kept[mode] = st;
 }
 
-void take_over(PyObject* planner) {
-  if (t_state != nullptr) hand_back();
+void hand_back_top() { hand_back(top_mode()); }
+
+void forget(PyObject* mode) {
+  hand_back(mode);
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto kept = g_kept.find(mode);
+  if (kept != g_kept.end()) {
+    release(kept->second);
+    g_kept.erase(kept);
+  }
+}
+
+void take_over(PyObject* planner, PyObject* mode) {
+  hand_back(mode);
   PyObject* got = PyObject_CallNoArgs(planner);
   if (got == nullptr) throw python_error();
   py::object res = py::reinterpret_steal<py::object>(got);
@@ -529,8 +572,13 @@ void take_over(PyObject* planner) {
   auto pair = res.cast<py::tuple>();
   py::object seg = pair[1];
   int64_t serial = serial_of(seg.ptr());
-  State* st = t_kept;
-  t_kept = nullptr;
+  std::lock_guard<std::mutex> lock(g_mu);
+  State* st = nullptr;
+  auto kept = g_kept.find(mode);
+  if (kept != g_kept.end()) {
+    st = kept->second;
+    g_kept.erase(kept);
+  }
   if (st == nullptr || !st->seg.is(seg) || st->serial != serial) {
     release(st);
     st = new State();
@@ -544,7 +592,7 @@ void take_over(PyObject* planner) {
     release(st);
     throw;
   }
-  t_state = st;
+  g_active[mode] = st;
   g_plans.fetch_add(1, std::memory_order_relaxed);
 }
 
@@ -553,7 +601,8 @@ void bind(py::module_& m) {
   py::class_<Plan, std::shared_ptr<Plan>>(m, "Plan");
   m.def("make_step", &make_step);
   m.def("make_plan", &make_plan);
-  m.def("hand_back", &hand_back);
+  m.def("hand_back", [](py::handle mode) { hand_back(mode.ptr()); });
+  m.def("forget", [](py::handle mode) { forget(mode.ptr()); });
   m.def("serving", &serving);
   m.def("served", &served);
   py::module_ torch_mod = py::module_::import("torch");

@@ -11,13 +11,18 @@ namespace ae_hot {
 // ``ks`` is the key set the op reached the key with (a view op runs below it).
 bool serve(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack);
 
-// Hand what the plan served to the tracer's Python segment and drop the plan (no-op without
-// one). Takes the interpreter lock.
-void hand_back();
+// Hand what the plan of ``mode``'s segment served to the tracer's Python segment and drop
+// the plan (no-op without one); ``hand_back_top``: of the mode on top of this thread's stack.
+// Takes the interpreter lock when there is something to hand back.
+void hand_back(PyObject* mode);
+void hand_back_top();
 
-// After the engine's mode handled an op (the interpreter lock held): take the segment over
-// if the mode offers a plan for what follows (``planner`` is its ``key_plan``).
-void take_over(PyObject* planner);
+// Hand back and drop what is kept for ``mode`` (it is disengaged).
+void forget(PyObject* mode);
+
+// After the engine's mode handled an op (the interpreter lock held): take its segment over if
+// the mode offers a plan for what follows (``planner`` is its ``key_plan``).
+void take_over(PyObject* planner, PyObject* mode);
 
 void bind(pybind11::module_& m);
 
