@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["alone", "nbytes", "ptr", "use_compiled", "weak"]
+__all__ = ["alone", "ident", "nbytes", "ptr", "use_compiled", "weak"]
 
 _use_count = torch._C._storage_Use_Count
 
@@ -35,6 +35,10 @@ def _weak(t) -> int:
     return t.untyped_storage()._weak_ref()
 
 
+def _ident(t) -> int:
+    return t.untyped_storage()._cdata
+
+
 def _alone(t) -> bool:
     # held by ``t`` and by the Python storage object asked here; memory PyTorch allocated
     # (``resizable``) belongs to that one storage, where two storages can share borrowed
@@ -43,18 +47,19 @@ def _alone(t) -> bool:
     return storage.resizable() and _use_count(storage._cdata) == 2
 
 
-nbytes, ptr, weak, alone = _nbytes, _ptr, _weak, _alone
+nbytes, ptr, weak, ident, alone = _nbytes, _ptr, _weak, _ident, _alone
 """The storage's size in bytes; its address (None when it has no bytes); a weak reference
 (an integer handle, as ``UntypedStorage._weak_ref`` gives, freed with ``_free_weak_ref``);
-whether nothing but ``t`` holds its memory (then no other live tensor can alias it)."""
+its identity (the integer its weak handles are); whether nothing but ``t`` holds its memory
+(then no other live tensor can alias it)."""
 
 
 def use_compiled(module) -> None:
     """Read storages with ``module``'s compiled functions (tracer.native), or from Python
     when None."""
-    global nbytes, ptr, weak, alone
+    global nbytes, ptr, weak, ident, alone
     if module is None:
-        nbytes, ptr, weak, alone = _nbytes, _ptr, _weak, _alone
+        nbytes, ptr, weak, ident, alone = _nbytes, _ptr, _weak, _ident, _alone
     else:
         nbytes, ptr = module.storage_nbytes, module.storage_ptr
-        weak, alone = module.storage_weak, module.storage_alone
+        weak, ident, alone = module.storage_weak, module.storage_id, module.storage_alone

@@ -240,3 +240,25 @@ def test_plan_is_handed_back_before_autograd_device_thread_touches_the_segment(m
     before = hot_key.load().served()[0]
     assert losses(True) == ref
     assert hot_key.load().served()[0] > before
+
+
+def test_new_input_on_a_values_memory_is_a_counted_boundary(monkeypatch):
+    # Note [Memory of a value]: with no mode seen (the key engaged), ``.data`` and the
+    # outputs autograd saved come back as new tensors on a value's memory with no op the
+    # engine sees; deferred, that memory holds nothing yet, so the segment launches before
+    # the op that reads one (under ``inductor`` a fused graph read it first: NaN gradients)
+    import adaptive_eager as ae
+
+    monkeypatch.setenv("NEURON_ADAPTIVE_EAGER_HOT_PATH", "key")
+    x, w = torch.randn(8, 16), torch.randn(16, 16)
+
+    def step():
+        y = x @ w
+        return (y.data * 2 + torch.tanh(y)).sum().item()
+
+    ref = step()
+    with ae.enabled(devices=("cpu",), backend="exact"):
+        got = [step() for _ in range(6)]
+        reasons = ae.stats().fallbacks
+    assert got == [ref] * 6
+    assert reasons.get("a new input on the memory of a value of the segment: aten.mul.Tensor") == 6

@@ -43,12 +43,13 @@ What the mechanism taught (each tried here, torch 2.13):
   nothing (chain-small 6.57 against 6.31 µs an op): its compiled handler already skips what
   that skips. The cost is the Python objects each op makes; only a hot path served without
   Python (segment state in C++, no interpreter lock) goes below the floor: the plans.
-* Open under ``key``: autograd unpacks a saved output as a new tensor on the output's memory
-  without an op when no mode is seen (with a mode it is a ``detach`` the mode sees). In a
-  hot segment that output is still pending, so the engine meets a new external sharing a
-  deferred value's memory; a fused graph reads it before computing the value (NaN in
-  gradients: tanh's backward, llama under inductor). The exact replay, which writes each
-  value as it goes, is unaffected. To be fixed before the key leaves ``experimental``.
+* Autograd unpacks a saved output as a new tensor on the output's memory without an op when
+  no mode is seen (with a mode it is a ``detach`` the mode sees), and ``.data`` likewise. In
+  a hot segment that output is still pending: a fused graph read the new tensor before
+  computing the value (NaN in gradients: tanh's backward, llama under inductor). Such an op
+  is learned as a boundary (Note [Memory of a value], tracer/segment.py): correct, at the
+  cost of a launch before each backward op that reads a saved output. Recognizing the new
+  tensor as the value itself would keep the segment whole: next.
 * Autograd accumulates a gradient in place (``add_``) when nothing else holds the buffer's
   memory, out of place otherwise; with no mode seen as active it asks, as plain eager does.
   The engine's cold runs made the buffer's Python storage object, which holds the memory,

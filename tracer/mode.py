@@ -256,6 +256,9 @@ class AdaptiveEagerMode(TorchDispatchMode):
             return None
         self.n_nodes += 1
         child = learn.make_node(node, op, _user_line(1, self.thread))
+        if not child.blocked and op.new and self.seg.on_value_memory(op.new):
+            # Note [Memory of a value] (tracer.segment)
+            child.blocked = f"a new input on the memory of a value of the segment: {op.func}"
         node.children[op.key] = child
         if self.debug >= 3:
             log.debug("trie: new node %s at depth %d (%s)", op.func, child.depth,

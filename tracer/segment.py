@@ -10,6 +10,15 @@ What the engine holds (Note [Liveness] in scheduler.launch): values only weakly,
 reference to the storage of each fresh value (``stor`` while deferred, ``cold_storage`` while
 cold); externals weakly while cold, strongly while hot (a deferred op must still find its
 inputs at launch).
+
+Note [Memory of a value]: a tensor can reach an op without having come out of one: autograd
+unpacks an output it saved as a new tensor on the output's memory (with no dispatch mode
+seen, as under the hot path's dispatch key; with one it is a ``detach`` the mode sees), and
+``.data`` makes one too. Such a tensor is new to the segment, yet it sits on the memory of
+one of its fresh values; while that value is deferred, its memory holds nothing yet, and a
+fused graph would read it as an input before computing the value. So an op that takes a new
+input on a value's memory is learned as a boundary (``on_value_memory``, checked when the
+node is learned): the segment launches before it, every time.
 """
 
 from __future__ import annotations
@@ -169,6 +178,14 @@ class Segment:
         if not written:
             return False
         return self._aliases(t, written)
+
+    def on_value_memory(self, tensors) -> bool:
+        """Does one of ``tensors``, new to the segment, sit on a fresh value's memory? Note
+        [Memory of a value]."""
+        handles = set(self.cold_storage.values())
+        handles.update(h for h in self.stor if h is not None)
+        return bool(handles) and any(storage.nbytes(t) and storage.ident(t) in handles
+                                     for t in tensors)
 
     def feeds(self, t) -> bool:
         """Is ``t`` (or its storage) an input of this segment, so writing it must wait?"""

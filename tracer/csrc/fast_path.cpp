@@ -826,6 +826,12 @@ py::object storage_ptr(const at::Tensor& t) {
   return py::reinterpret_steal<py::object>(PyLong_FromVoidPtr(const_cast<void*>(st.data())));
 }
 
+// The storage's identity: the address a weak handle of it holds, without taking one.
+py::object storage_id(const at::Tensor& t) {
+  return py::reinterpret_steal<py::object>(
+      PyLong_FromVoidPtr(storage_of(t).unsafeGetStorageImpl()));
+}
+
 py::object storage_weak(const at::Tensor& t) {
   c10::StorageImpl* impl = storage_of(t).unsafeGetStorageImpl();
   return py::reinterpret_steal<py::object>(
@@ -902,5 +908,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("storage_nbytes", &storage_nbytes);
   m.def("storage_ptr", &storage_ptr);
   m.def("storage_weak", &storage_weak);
+  m.def("storage_id", &storage_id);
   m.def("storage_alone", &storage_alone);
 }
