@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import adaptive_eager.neuron as neuron
 from adaptive_eager.tracer import hot_key
 
 
@@ -211,7 +212,6 @@ def test_plan_is_handed_back_before_autograd_device_thread_touches_the_segment(m
     import torch.nn.functional as F
 
     import adaptive_eager as ae
-    import adaptive_eager.neuron as neuron
 
     if not neuron.is_emulated():
         pytest.skip("torch-neuronx is installed")
