@@ -13,11 +13,15 @@ import hashlib
 import os
 import shutil
 import sys
+import threading
 from pathlib import Path
 
 import torch
 
 __all__ = ["build", "build_dir"]
+
+_lock = threading.Lock()
+_loaded: dict = {}  # build directory -> the loaded extension
 
 
 def build_dir(name: str, files) -> Path:
@@ -54,11 +58,17 @@ def build(name: str, sources, headers=(), *, who: str, what: str, instead: str):
                            f"it (pip install ninja, or apt install ninja-build), or {instead}")
     sources = [str(s) for s in sources]
     where = build_dir(name, [*sources, *headers])
-    built = any(where.glob("*.so")) if where.exists() else False
-    where.mkdir(parents=True, exist_ok=True, mode=0o700)
-    if not built:
-        print(f"{who}: building {what} once into {where} (a minute or two)", file=sys.stderr,
-              flush=True)
-    return cpp_extension.load(name=f"adaptive_eager_{name}", sources=sources,
-                              build_directory=str(where), extra_cflags=["-O2", "-std=c++17"],
-                              verbose=False)
+    # One build and load per process: threads enabling the engine at once (each thread has
+    # its own mode) would otherwise build and import the same extension side by side.
+    with _lock:
+        module = _loaded.get(where)
+        if module is None:
+            built = any(where.glob("*.so")) if where.exists() else False
+            where.mkdir(parents=True, exist_ok=True, mode=0o700)
+            if not built:
+                print(f"{who}: building {what} once into {where} (a minute or two)",
+                      file=sys.stderr, flush=True)
+            module = _loaded[where] = cpp_extension.load(
+                name=f"adaptive_eager_{name}", sources=sources, build_directory=str(where),
+                extra_cflags=["-O2", "-std=c++17"], verbose=False)
+        return module
