@@ -262,3 +262,27 @@ def test_new_input_on_a_values_memory_is_a_counted_boundary(monkeypatch):
         reasons = ae.stats().fallbacks
     assert got == [ref] * 6
     assert reasons.get("a new input on the memory of a value of the segment: aten.mul.Tensor") == 6
+
+
+def test_a_plan_that_cannot_be_built_is_a_counted_fallback(monkeypatch):
+    import adaptive_eager as ae
+    from adaptive_eager.tracer import hot_plan
+
+    def broken(start, module):
+        raise RuntimeError("no steps today")
+
+    monkeypatch.setenv("NEURON_ADAPTIVE_EAGER_HOT_PATH", "key")
+    monkeypatch.setattr(hot_plan, "_build", broken)
+    x = torch.randn(32)
+
+    def step():
+        return ((x * 2 + 1).relu() * 3).sum().item()
+
+    ref = step()
+    served = hot_key.load().served()[0]
+    with ae.enabled(devices=("cpu",), backend="exact"):
+        got = [step() for _ in range(6)]
+        s = ae.stats()
+    assert got == [ref] * 6 and s.replays >= 3  # hot, through the mode
+    assert hot_key.load().served()[0] == served
+    assert "no plan for the dispatch key (RuntimeError: no steps today)" in s.fallbacks

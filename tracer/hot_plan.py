@@ -133,7 +133,12 @@ def plan(mode, module):
         return None
     cached = start.plan
     if cached is None or cached[0] != trie.epoch:
-        cached = start.plan = (trie.epoch, _build(start, module))
+        try:
+            built = _build(start, module)
+        except Exception as e:  # the program goes on through the mode, the reason counted
+            mode.counters.fallback(f"no plan for the dispatch key ({type(e).__name__}: {e})")
+            built = None
+        cached = start.plan = (trie.epoch, built)
     return None if cached[1] is None else (cached[1], S)
 
 
