@@ -15,10 +15,13 @@ Note [Memory of a value]: a tensor can reach an op without having come out of on
 unpacks an output it saved as a new tensor on the output's memory (with no dispatch mode
 seen, as under the hot path's dispatch key; with one it is a ``detach`` the mode sees), and
 ``.data`` makes one too. Such a tensor is new to the segment, yet it sits on the memory of
-one of its fresh values; while that value is deferred, its memory holds nothing yet, and a
-fused graph would read it as an input before computing the value. So an op that takes a new
-input on a value's memory is learned as a boundary (``on_value_memory``, checked when the
-node is learned): the segment launches before it, every time.
+one of its fresh values (``nn.Parameter`` of a new tensor is another); while that value is
+deferred, its memory holds nothing yet, and a fused graph would read it as an input before
+computing the value. So an op that takes a new input on a value's memory is learned as a
+boundary (``on_value_memory``, checked when the node is learned): the segment launches
+before it, every time. Values of ops whose result is unspecified (``empty`` and its kin, as
+a parameter is made before its initializer writes it) are left out: their memory holds
+nothing specified either way.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ class Segment:
     __slots__ = (
         "owner", "root", "node", "expect", "hot", "ids", "outw", "stor", "exts", "extw",
         "floats", "rng", "t0", "n_ops", "_written", "_written_at", "_by_storage", "_n_indexed",
-        "cold_storage", "serial",
+        "cold_storage", "cold_idents", "serial",
     )
 
     def __init__(self, owner, root):
@@ -71,6 +74,7 @@ class Segment:
         # dispatch key's plans imported from them is stale (csrc/hot_segment.cpp)
         self.serial = getattr(self, "serial", 0) + 1
         self.cold_storage: dict = {}  # value index -> weak storage ref (cold fresh outputs)
+        self.cold_idents: set = set()  # those references (Note [Memory of a value])
         self.node = self.root
         self.expect = self.root.hot_next
         self.hot = False
@@ -127,9 +131,12 @@ class Segment:
         self.outw.append(_wref(t))
         self.stor.append(storage)
 
-    def add_cold_fresh(self, t) -> None:
-        """A fresh output of a cold op: tracked by a weak reference to its storage."""
-        self.cold_storage[len(self.outw)] = storage.weak(t)
+    def add_cold_fresh(self, t, unspecified: bool = False) -> None:
+        """A fresh output of a cold op: tracked by a weak reference to its storage
+        (``unspecified``: of an op whose result holds nothing specified, like ``empty``)."""
+        self.cold_storage[len(self.outw)] = ref = storage.weak(t)
+        if not unspecified:
+            self.cold_idents.add(ref)
         self.add_value(t)
 
     def alive(self, i: int) -> bool:
@@ -181,11 +188,12 @@ class Segment:
 
     def on_value_memory(self, tensors) -> bool:
         """Does one of ``tensors``, new to the segment, sit on a fresh value's memory? Note
-        [Memory of a value]."""
-        handles = set(self.cold_storage.values())
-        handles.update(h for h in self.stor if h is not None)
-        return bool(handles) and any(storage.nbytes(t) and storage.ident(t) in handles
-                                     for t in tensors)
+        [Memory of a value]. Asked when a node is learned, in a cold segment (a hot one that
+        meets an op it does not expect launches and goes on cold first), whose fresh values
+        are the cold ones."""
+        idents = self.cold_idents
+        return bool(idents) and any(storage.nbytes(t) and storage.ident(t) in idents
+                                    for t in tensors)
 
     def feeds(self, t) -> bool:
         """Is ``t`` (or its storage) an input of this segment, so writing it must wait?"""
