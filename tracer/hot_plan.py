@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from adaptive_eager.scheduler.program import Ext, Rec, Val, _minimal
+from adaptive_eager.scheduler.program import Ext, Rec, Val
 
-from . import signature, trie
+from . import native, trie
 
 __all__ = ["plan", "step_of"]
 
@@ -28,8 +28,7 @@ _VALUES = (type(None), bool, int, float, str, torch.dtype, torch.layout, torch.m
            torch.device)
 
 
-class _Python(Exception):
-    """The node needs Python."""
+_Python = native._Python  # the node needs Python (the reason)
 
 
 def _leaf(t, param, n_ext_before: int, spec, seen_new: dict):
@@ -90,12 +89,7 @@ def _describe(node):
     outs = []
     for o in () if spec.view else spec.outs:  # a view's results are its op's
         if o.kind == "fresh":
-            m = o.meta
-            if not (m.offset == 0 and _minimal(m)):
-                raise _Python("a result empty_strided cannot make")
-            if signature.ALLOCATORS.get(m.device.type) is not None:
-                raise _Python("a device with its own allocator")
-            outs.append(("fresh", m.dtype, list(m.shape), list(m.stride), m.device))
+            outs.append(native.fresh_out(o.meta))
         elif o.kind == "alias":
             outs.append(("alias", o.arg if type(o.arg) is int else names.index(o.arg)))
         elif o.kind == "none":

@@ -77,6 +77,16 @@ class _Python(Exception):
     """The node needs the generated Python fast path (the reason)."""
 
 
+def fresh_out(m) -> tuple:
+    """A fresh result's allocation, ``("fresh", dtype, shape, stride, device)``, or _Python
+    where ``empty_strided`` cannot make it or the device allocates from Python."""
+    if not (m.offset == 0 and _minimal(m)):
+        raise _Python("a result that empty_strided cannot allocate")
+    if signature.ALLOCATORS.get(m.device.type) is not None:
+        raise _Python("a device with its own allocator")
+    return ("fresh", m.dtype, m.shape, m.stride, m.device)
+
+
 def _describe(node, n_ext_before: int):
     spec = node.spec
     if spec.ext_view:
@@ -89,12 +99,7 @@ def _describe(node, n_ext_before: int):
     outs = []
     for o in () if spec.view else spec.outs:  # a view's results are its op's
         if o.kind == "fresh":
-            m = o.meta
-            if not (m.offset == 0 and _minimal(m)):
-                raise _Python("a result that empty_strided cannot allocate")
-            if signature.ALLOCATORS.get(m.device.type) is not None:
-                raise _Python("a device with its own allocator")
-            outs.append(("fresh", m.dtype, m.shape, m.stride, m.device))
+            outs.append(fresh_out(o.meta))
         elif o.kind == "alias":
             outs.append(("alias", o.arg))
         elif o.kind == "none":

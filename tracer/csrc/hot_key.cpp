@@ -39,20 +39,14 @@
 
 namespace {
 
-constexpr auto kKey = c10::DispatchKey::Fake;
+using ae_hot::KeyOff;
+using ae_hot::kKey;
 constexpr auto kPython = c10::DispatchKey::Python;
 constexpr auto kSnapshot = c10::DispatchKey::PythonTLSSnapshot;
 
 int g_action = 0;
 at::Tensor g_canned;
 std::atomic<int64_t> g_kernel_calls{0}, g_handed_back{0};
-
-// An op run below our key, and every op it calls, with the key off in the thread.
-struct KeyOff {
-  bool was = c10::impl::tls_is_dispatch_key_included(kKey);
-  KeyOff() { c10::impl::tls_set_dispatch_key_included(kKey, false); }
-  ~KeyOff() { c10::impl::tls_set_dispatch_key_included(kKey, was); }
-};
 
 // The mode's keys un-excluded while an op goes to the mode: PythonTLSSnapshot records the
 // thread's key sets for the mode's handling, and the mode counts as active only where

@@ -424,13 +424,6 @@ std::vector<int64_t> served() { return {g_served.load(), g_plans.load()}; }
 
 }  // namespace
 
-// An op run below the key, and every op it calls, with the key off in the thread.
-struct KeyOff {
-  bool was = c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::Fake);
-  KeyOff() { c10::impl::tls_set_dispatch_key_included(c10::DispatchKey::Fake, false); }
-  ~KeyOff() { c10::impl::tls_set_dispatch_key_included(c10::DispatchKey::Fake, was); }
-};
-
 at::Tensor allocate(const Result& r) {
   if (r.device.is_cpu()) return at::detail::empty_strided_cpu(r.sizes, r.strides, r.dtype);
   KeyOff off;  // the device's own allocation, through the dispatcher
@@ -482,7 +475,7 @@ bool serve(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::St
   if (step.view) {  // run it now (a view: no data is touched); each result a value
     {
       KeyOff off;
-      op.redispatchBoxed(ks.remove(c10::DispatchKey::Fake), stack);
+      op.redispatchBoxed(ks.remove(kKey), stack);
     }
     size_t n_out = op.schema().returns().size();
     for (const c10::IValue& v : torch::jit::last(*stack, n_out)) {

@@ -3,7 +3,19 @@
 #pragma once
 #include <torch/extension.h>
 
+#include <c10/core/impl/LocalDispatchKeySet.h>
+
 namespace ae_hot {
+
+// The hot path's dispatch key (``Fake``: Note [Below the floor]).
+constexpr auto kKey = c10::DispatchKey::Fake;
+
+// An op run below the key, and every op it calls, with the key off in the thread.
+struct KeyOff {
+  bool was = c10::impl::tls_is_dispatch_key_included(kKey);
+  KeyOff() { c10::impl::tls_set_dispatch_key_included(kKey, false); }
+  ~KeyOff() { c10::impl::tls_set_dispatch_key_included(kKey, was); }
+};
 
 // Serve ``op`` (its arguments on ``stack``) as the next op of this thread's plan, without
 // Python: true when it did (results on the stack), false when the op is not the plan's next
