@@ -46,10 +46,18 @@ What the mechanism taught (each tried here, torch 2.13):
 * Autograd unpacks a saved output as a new tensor on the output's memory without an op when
   no mode is seen (with a mode it is a ``detach`` the mode sees), and ``.data`` likewise. In
   a hot segment that output is still pending: a fused graph read the new tensor before
-  computing the value (NaN in gradients: tanh's backward, llama under inductor). Such an op
-  is learned as a boundary (Note [Memory of a value], tracer/segment.py): correct, at the
-  cost of a launch before each backward op that reads a saved output. Recognizing the new
-  tensor as the value itself would keep the segment whole: next.
+  computing the value (NaN in gradients: tanh's backward, llama under inductor). Such a
+  tensor, on the value's memory exactly as the value, is taken for the value itself (Note
+  [Memory of a value], tracer/segment.py), by the mode and by the plans alike, so a training
+  step stays one segment; any other new tensor on a value's memory is a boundary.
+* On an accelerator autograd runs the backward on a device thread of its own, which inherits
+  the key sets and the mode stack of the thread that called ``backward()``: the engine's
+  handler and planner belong to the engaged mode, not to the thread that engaged it, or the
+  backward reaches the mode through the Python key, unplanned (llama on neuron: 109 of 564
+  ops a step served, 272 once the device thread found the mode's handler).
+* Between a segment's ops come ops the mode runs at once outside it (an optimizer's step
+  counts, profiler ranges, cpu ops beside a device's segment): a plan runs those itself and
+  counts them as the mode does, instead of handing back (Note [Host scalars], tracer/mode.py).
 * Autograd accumulates a gradient in place (``add_``) when nothing else holds the buffer's
   memory, out of place otherwise; with no mode seen as active it asks, as plain eager does.
   The engine's cold runs made the buffer's Python storage object, which holds the memory,

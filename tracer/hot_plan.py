@@ -4,8 +4,8 @@ With ``NEURON_ADAPTIVE_EAGER_HOT_PATH=key`` (Note [Below the floor]), after the 
 an op of a hot segment, the key asks ``plan(mode)`` for the ops the segment expects next: the
 trie nodes along ``hot_next`` from the segment's node, each compiled once into a ``Step`` (its
 checks per schema argument and its results, what the node's fast path checks and makes; a
-view op runs at once, as there), up to the first node that needs Python: a view of an
-external, a random op, an output ``empty_strided`` cannot make or on a device with an
+view op runs at once, as there, a view of an external checked by what it produces), up to
+the first node that needs Python: a random op, an output ``empty_strided`` cannot make or on a device with an
 allocator in Python (the Python emulator), an argument of a kind not compiled, a node
 where the segment launches early (``ends_here``) or is cut. The key then serves those ops in
 C++ and hands what it served back to the segment (``hand_back``) at the first op the plan
@@ -24,6 +24,7 @@ __all__ = ["plan", "step_of"]
 
 _REC_KIND = {float: 0, int: 1, bool: 2}
 _LONGEST = 4096  # steps in one plan: the key asks again where one ends
+_HOST_SCALARS, _HOST_CPU = 1, 2  # csrc/hot_segment.cpp: Host
 _VALUES = (type(None), bool, int, float, str, torch.dtype, torch.layout, torch.memory_format,
            torch.device)
 
@@ -31,10 +32,14 @@ _VALUES = (type(None), bool, int, float, str, torch.dtype, torch.layout, torch.m
 _Python = native._Python  # the node needs Python (the reason)
 
 
-def _leaf(t, param, n_ext_before: int, spec, seen_new: dict):
+def _leaf(t, param, n_ext_before: int, spec, seen_new: dict, node=None):
     tt = type(t)
     if tt is Val:
-        return ("val", t.i)
+        meta = node.parent.value_meta(t.i) if node is not None else None
+        if meta is None:
+            return ("val", t.i)
+        # a twin of a fresh value is the value (Note [Memory of a value]): what it must be
+        return ("val", t.i, meta.dtype, list(meta.shape), list(meta.stride), meta.offset)
     if tt is Ext:
         if t.k < n_ext_before:
             return ("ext", t.k)
@@ -54,7 +59,7 @@ def _leaf(t, param, n_ext_before: int, spec, seen_new: dict):
             return ("value", t)
         if str(param.type) != "List[Tensor]":
             raise _Python(f"a list of {param.type}")
-        return ("tensors", [_leaf(y, param, n_ext_before, spec, seen_new) for y in t])
+        return ("tensors", [_leaf(y, param, n_ext_before, spec, seen_new, node) for y in t])
     if isinstance(t, _VALUES):
         return ("value", t)
     raise _Python(f"an argument of type {tt.__name__}")
@@ -62,8 +67,6 @@ def _leaf(t, param, n_ext_before: int, spec, seen_new: dict):
 
 def _describe(node):
     spec = node.spec
-    if spec.ext_view:
-        raise _Python("a view of an external")
     if spec.random:
         raise _Python("a random op")
     if node.blocked:
@@ -76,9 +79,9 @@ def _describe(node):
     checks = []
     for i, p in enumerate(params):
         if i < len(spec.args):
-            checks.append(_leaf(spec.args[i], p, n_ext_before, spec, seen))
+            checks.append(_leaf(spec.args[i], p, n_ext_before, spec, seen, node))
         elif p.name in spec.kwargs:
-            checks.append(_leaf(spec.kwargs[p.name], p, n_ext_before, spec, seen))
+            checks.append(_leaf(spec.kwargs[p.name], p, n_ext_before, spec, seen, node))
         elif p.has_default_value():
             checks.append(("default",))
         else:
@@ -87,8 +90,10 @@ def _describe(node):
         raise _Python("a keyword the schema does not have")
     names = [p.name for p in params]
     outs = []
-    for o in () if spec.view else spec.outs:  # a view's results are its op's
-        if o.kind == "fresh":
+    for o in () if spec.view and not spec.ext_view else spec.outs:  # a view's: its op's
+        if o.kind == "ext":  # a view of an external, itself one: what it must look like
+            outs.append(("ext", list(o.meta.shape), list(o.meta.stride)))
+        elif o.kind == "fresh":
             outs.append(native.fresh_out(o.meta))
         elif o.kind == "alias":
             outs.append(("alias", o.arg if type(o.arg) is int else names.index(o.arg)))
@@ -128,7 +133,7 @@ def plan(mode, module):
     cached = start.plan
     if cached is None or cached[0] != trie.epoch:
         try:
-            built = _build(start, module)
+            built = _build(start, module, mode.devices)
         except Exception as e:  # the program goes on through the mode, the reason counted
             mode.counters.fallback(f"no plan for the dispatch key ({type(e).__name__}: {e})")
             built = None
@@ -136,7 +141,7 @@ def plan(mode, module):
     return None if cached[1] is None else (cached[1], S)
 
 
-def _build(start, module):
+def _build(start, module, devices):
     steps, nodes = [], []
     n = start.hot_next
     while n is not None and n.hot and not n.ends_here and not n.cut and len(steps) < _LONGEST:
@@ -146,4 +151,9 @@ def _build(start, module):
         steps.append(step)
         nodes.append(n)
         n = n.hot_next
-    return module.make_plan(steps, tuple(nodes)) if steps else None
+    if not steps:
+        return None
+    # what the plan runs at once when it does not expect it (Note [Host scalars], tracer.mode)
+    host, counter = (_HOST_SCALARS, "ops_host") if "cpu" in devices else (_HOST_CPU,
+                                                                          "ops_passthrough")
+    return module.make_plan(steps, tuple(nodes), host, counter)

@@ -183,6 +183,7 @@ class AdaptiveEagerMode(TorchDispatchMode):
             self.counters.ops_passthrough += 1
             return func(*args, **kwargs)
         ext_view = info.cls is OpClass.VIEW and type(S.source(tensors[0])) is not Val
+        n_same = S.n_same
         try:
             op = observe(func, info, args, kwargs, tensors, S.source, ext_view)
         except Unsupported as u:
@@ -193,6 +194,9 @@ class AdaptiveEagerMode(TorchDispatchMode):
                 node.hot_next = child
                 trie.changed()
             r = child.fast(args, kwargs, S)
+            if r is MISS and S.n_same != n_same:
+                # a value's twin among the arguments (Note [Memory of a value])
+                r = child.fast(*S.adopt(args, kwargs), S)
             if r is not MISS:
                 return r
         if child is not None and child.blocked:  # learned as a boundary: the path ends here

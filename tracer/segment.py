@@ -15,13 +15,18 @@ Note [Memory of a value]: a tensor can reach an op without having come out of on
 unpacks an output it saved as a new tensor on the output's memory (with no dispatch mode
 seen, as under the hot path's dispatch key; with one it is a ``detach`` the mode sees), and
 ``.data`` makes one too. Such a tensor is new to the segment, yet it sits on the memory of
-one of its fresh values (``nn.Parameter`` of a new tensor is another); while that value is
-deferred, its memory holds nothing yet, and a fused graph would read it as an input before
-computing the value. So an op that takes a new input on a value's memory is learned as a
+one of its fresh values, which while deferred holds nothing yet: as a new input, a fused
+graph would read it before computing the value. Where it sits on the value's memory exactly
+as the value does (offset, sizes, strides, dtype), it *is* the value under another tensor, and
+``source`` says so (``_same_value``): the op is learned reading the value, and a hot run
+takes the twin for the value (``adopt``: the fast paths know values by identity), so a
+training step's backward stays in its segment. Any other new input on a value's memory (a
+view made with no op the engine sees, ``nn.Parameter`` of a part of a value) is learned as a
 boundary (``on_value_memory``, checked when the node is learned): the segment launches
 before it, every time. Values of ops whose result is unspecified (``empty`` and its kin, as
-a parameter is made before its initializer writes it) are left out: their memory holds
-nothing specified either way.
+a parameter is made before its initializer writes it) are left out of both: their memory
+holds nothing specified either way, and the parameter made of one outlives the segment as
+an external.
 """
 
 from __future__ import annotations
@@ -56,7 +61,8 @@ class Segment:
     __slots__ = (
         "owner", "root", "node", "expect", "hot", "ids", "outw", "stor", "exts", "extw",
         "floats", "rng", "t0", "n_ops", "_written", "_written_at", "_by_storage", "_n_indexed",
-        "cold_storage", "cold_idents", "serial",
+        "cold_storage", "cold_idents", "serial", "_hot_idents", "_n_hot_indexed", "n_same",
+        "rebound",
     )
 
     def __init__(self, owner, root):
@@ -74,7 +80,12 @@ class Segment:
         # dispatch key's plans imported from them is stale (csrc/hot_segment.cpp)
         self.serial = getattr(self, "serial", 0) + 1
         self.cold_storage: dict = {}  # value index -> weak storage ref (cold fresh outputs)
-        self.cold_idents: set = set()  # those references (Note [Memory of a value])
+        # those references (specified ones) -> value index (Note [Memory of a value])
+        self.cold_idents: dict = {}
+        self._hot_idents: dict = {}  # the same of deferred values, indexed from ``stor``
+        self._n_hot_indexed = 0
+        self.n_same = 0  # tensors taken for the value they sit on exactly (``_same_value``)
+        self.rebound: list = []  # values whose tensor was rebound to such a twin (``adopt``)
         self.node = self.root
         self.expect = self.root.hot_next
         self.hot = False
@@ -111,14 +122,77 @@ class Segment:
     # -- sources and pending state (cold path) --------------------------------------------
 
     def source(self, t):
-        """The Val/Ext leaf of a tensor already seen in this segment, else None."""
+        """The Val/Ext leaf of a tensor already seen in this segment (or of a twin of a
+        value: Note [Memory of a value]), else None."""
         idx = self.ids.get(id(t))
-        if idx is None:
+        if idx is not None:
+            if idx >= 0:
+                if self.outw[idx]() is t:
+                    return Val(idx)
+            elif self.extw[~idx]() is t:
+                return Ext(~idx)
+        return self._same_value(t) if self.cold_idents or self.stor else None
+
+    def _same_value(self, t):
+        """Val(i) when ``t`` sits on fresh value i's memory exactly as the value does (same
+        offset, sizes, strides, dtype): the value itself, under another tensor. Only values
+        whose storage the segment holds a weak reference to are asked, so the storage's
+        address cannot have been reused."""
+        ident = storage.ident(t)
+        i = self.cold_idents.get(ident)
+        if i is None:
+            stor = self.stor
+            index = self._hot_idents
+            for j in range(self._n_hot_indexed, len(stor)):
+                ref = stor[j]
+                if ref is not None:
+                    index[ref] = j
+            self._n_hot_indexed = len(stor)
+            i = index.get(ident)
+            if i is None:
+                return None
+        v = self.outw[i]()
+        if v is not None:
+            want = (tuple(v.shape), v.stride(), v.storage_offset(), v.dtype)
+        else:
+            meta = self.node.value_meta(i) if self.node is not None else None
+            if meta is None:
+                return None
+            want = meta[:4]
+        if (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype) != want:
             return None
-        if idx >= 0:
-            return Val(idx) if self.outw[idx]() is t else None
-        k = ~idx
-        return Ext(k) if self.extw[k]() is t else None
+        self.n_same += 1
+        return Val(i)
+
+    def adopt(self, args, kwargs):
+        """The call with every twin of a value (``_same_value``) made the value's own tensor,
+        so the fast paths, which know values by identity, take it: a value whose tensor died
+        is rebound to its twin; a living one's tensor replaces the twin in the arguments
+        (both are the same memory, seen alike, and the op runs below autograd)."""
+        outw, ids = self.outw, self.ids
+
+        def fix(x):
+            if isinstance(x, torch.Tensor):
+                idx = ids.get(id(x))
+                if idx is not None and (outw[idx]() if idx >= 0 else self.extw[~idx]()) is x:
+                    return x
+                src = self._same_value(x)
+                if src is None:
+                    return x
+                v = outw[src.i]()
+                if v is None:
+                    outw[src.i] = _wref(x)
+                    ids[id(x)] = src.i
+                    self.rebound.append(src.i)
+                    return x
+                return v
+            if type(x) is list or type(x) is tuple:
+                return type(x)(fix(y) for y in x)
+            return x
+
+        args = tuple(fix(a) for a in args)
+        kwargs = {k: fix(v) for k, v in kwargs.items()}
+        return args, kwargs
 
     def add_external(self, t) -> None:
         self.ids[id(t)] = ~len(self.extw)
@@ -136,7 +210,7 @@ class Segment:
         (``unspecified``: of an op whose result holds nothing specified, like ``empty``)."""
         self.cold_storage[len(self.outw)] = ref = storage.weak(t)
         if not unspecified:
-            self.cold_idents.add(ref)
+            self.cold_idents[ref] = len(self.outw)
         self.add_value(t)
 
     def alive(self, i: int) -> bool:
@@ -232,6 +306,8 @@ class Segment:
         self.expect = None
         self.owner.release_weak(self.stor)
         self.stor = [None] * len(self.stor)
+        self._hot_idents = {}
+        self._n_hot_indexed = len(self.stor)
         self.exts = []
         self.serial += 1
         self.rng = None

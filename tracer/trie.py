@@ -77,6 +77,22 @@ class Node:
     def specs(self) -> list:
         return [n.spec for n in self.chain()]
 
+    def value_meta(self, i: int):
+        """The Meta of segment value i as the node on this path that made it learned it: a
+        fresh output's; None for a view's, or for a value this path has not made."""
+        n = self
+        while n.spec is not None and n.parent.n_vals > i:
+            n = n.parent
+        if n.spec is None or i >= n.n_vals:
+            return None
+        j = n.parent.n_vals
+        for o in n.spec.outs:
+            if o.kind in ("fresh", "view"):
+                if j == i:
+                    return o.meta if o.kind == "fresh" else None
+                j += 1
+        return None
+
 
 def new_root() -> Node:
     return Node(None, None, None, 0, 0)

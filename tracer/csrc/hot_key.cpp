@@ -35,7 +35,9 @@
 #include "hot_segment.h"
 
 #include <atomic>
+#include <mutex>
 #include <type_traits>
+#include <unordered_map>
 
 namespace {
 
@@ -76,14 +78,22 @@ bool has_python_tensor(const torch::jit::Stack& stack, size_t n) {
   return false;
 }
 
-// The engaged engine's mode and its __torch_dispatch__ (both held by the engine while
-// engaged): an op routed to the engine's mode, when it is on top of the stack, calls its
-// handler directly, doing what the Python key's fallback would (the mode off the stack and
-// the keys above Python excluded while it handles the op) without the trip through
-// PythonTLSSnapshot, the Python key and PyTorch's generic __torch_dispatch__ protocol.
-thread_local PyObject* t_mode = nullptr;
-thread_local PyObject* t_handler = nullptr;
-thread_local PyObject* t_planner = nullptr;  // the mode's ``key_plan``, if it has one
+// The engaged engines' modes and their __torch_dispatch__ (held here while engaged): an op
+// routed to an engine's mode, when it is on top of the stack, calls its handler directly,
+// doing what the Python key's fallback would (the mode off the stack and the keys above Python
+// excluded while it handles the op) without the trip through PythonTLSSnapshot, the Python
+// key and PyTorch's generic __torch_dispatch__ protocol. Kept per mode, not per thread: on an
+// accelerator autograd runs the backward on a thread of its own, which inherits the key sets
+// and the mode stack of the thread that called ``backward()`` and must reach the same handler
+// (and the same plans) as that thread.
+struct Engaged {
+  PyObject* handler = nullptr;
+  PyObject* planner = nullptr;  // the mode's ``key_plan``, if it has one
+  int threads = 0;              // threads engaged with this mode
+};
+std::mutex g_engaged_mu;
+std::unordered_map<PyObject*, Engaged> g_engaged;
+thread_local PyObject* t_mode = nullptr;  // the mode this thread engaged with
 PyObject* g_no_types = nullptr;
 
 constexpr c10::DispatchKeySet kAbovePython =
@@ -156,24 +166,33 @@ void push_result(const c10::FunctionSchema& schema, torch::jit::Stack* stack,
 }
 
 bool to_engine(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  if (t_handler == nullptr) return false;
   auto n = c10::impl::TorchDispatchModeTLS::stack_len();
-  if (n == 0 || c10::impl::TorchDispatchModeTLS::get_stack_at(n - 1)->ptr(
-                    getPyInterpreter()) != t_mode)
-    return false;
+  if (n == 0) return false;
+  PyObject* mode = c10::impl::TorchDispatchModeTLS::get_stack_at(n - 1)->ptr(getPyInterpreter());
+  PyObject *handler = nullptr, *planner = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(g_engaged_mu);
+    auto found = g_engaged.find(mode);
+    if (found == g_engaged.end()) return false;
+    handler = found->second.handler;
+    planner = found->second.planner;
+  }
   torch::torch_dispatch_mode::StashTorchDispatchModeGuard stash;
   c10::impl::ExcludeDispatchKeyGuard above(kAbovePython);
   pybind11::gil_scoped_acquire gil;
+  pybind11::object hold_handler = pybind11::reinterpret_borrow<pybind11::object>(handler);
+  pybind11::object hold_planner = pybind11::reinterpret_borrow<pybind11::object>(
+      planner != nullptr ? planner : Py_None);
   const auto& schema = op.schema();
   auto values = torch::jit::pop(*stack, schema.arguments().size());
   auto [args, kwargs] = python_call(schema, values);
   pybind11::handle func = torch::detail::getTorchApiFunction(op);
   PyObject* argv[4] = {func.ptr(), g_no_types, args.ptr(), kwargs.ptr()};
-  PyObject* out = PyObject_Vectorcall(t_handler, argv, 4, nullptr);
+  PyObject* out = PyObject_Vectorcall(handler, argv, 4, nullptr);
   if (out == nullptr) throw python_error();
   auto result = pybind11::reinterpret_steal<pybind11::object>(out);
   push_result(schema, stack, result);
-  if (t_planner != nullptr) ae_hot::take_over(t_planner, t_mode);  // what follows, below the floor
+  if (planner != nullptr) ae_hot::take_over(planner, mode);  // what follows, below the floor
   return true;
 }
 
@@ -293,17 +312,34 @@ bool is_on() { return c10::impl::tls_is_dispatch_key_included(kKey); }
 // any op: a change made inside one is undone when it returns). Returns the previous state.
 bool set_engaged(bool on, pybind11::object mode) {
   bool was = is_on() && c10::impl::tls_is_dispatch_key_excluded(kPython);
-  if (t_mode != nullptr) ae_hot::forget(t_mode);
   if (g_no_types == nullptr) g_no_types = PyTuple_New(0);
-  Py_CLEAR(t_handler);
-  Py_CLEAR(t_planner);
-  t_mode = nullptr;
+  if (t_mode != nullptr) {
+    ae_hot::forget(t_mode);
+    std::lock_guard<std::mutex> lock(g_engaged_mu);
+    auto found = g_engaged.find(t_mode);
+    if (found != g_engaged.end() && --found->second.threads == 0) {
+      Py_XDECREF(found->second.handler);
+      Py_XDECREF(found->second.planner);
+      g_engaged.erase(found);
+    }
+    t_mode = nullptr;
+  }
   if (on && !mode.is_none()) {
-    t_handler = PyObject_GetAttrString(mode.ptr(), "__torch_dispatch__");
-    if (t_handler == nullptr) throw python_error();
+    PyObject* handler = PyObject_GetAttrString(mode.ptr(), "__torch_dispatch__");
+    if (handler == nullptr) throw python_error();
+    PyObject* planner = PyObject_HasAttrString(mode.ptr(), "key_plan")
+                            ? PyObject_GetAttrString(mode.ptr(), "key_plan")
+                            : nullptr;
+    std::lock_guard<std::mutex> lock(g_engaged_mu);
+    Engaged& e = g_engaged[mode.ptr()];
+    if (e.threads++ == 0) {
+      e.handler = handler;
+      e.planner = planner;
+    } else {
+      Py_DECREF(handler);
+      Py_XDECREF(planner);
+    }
     t_mode = mode.ptr();
-    if (PyObject_HasAttrString(mode.ptr(), "key_plan"))
-      t_planner = PyObject_GetAttrString(mode.ptr(), "key_plan");
   }
   c10::impl::tls_set_dispatch_key_excluded(kPython, on);
   c10::impl::tls_set_dispatch_key_excluded(kSnapshot, on);

@@ -22,6 +22,7 @@
 #include <mutex>
 #include <optional>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 namespace py = pybind11;
@@ -49,15 +50,17 @@ struct Check {
   std::vector<int64_t> sizes, strides;
   c10::Device device = c10::Device(c10::kCPU);
   std::vector<Check> items;      // Tensors: a tensor list, element by element
+  bool twin = false;             // Val: a fresh value, whose twin (dtype, sizes, strides,
+  int64_t offset = 0;            // offset on its memory) is the value too
 };
 
-enum class R { Fresh, Alias, None };
+enum class R { Fresh, Alias, None, Ext };
 
 struct Result {
   R kind = R::None;
   int64_t arg = 0;               // Alias: the argument returned
   at::ScalarType dtype = at::kFloat;  // Fresh: what to allocate
-  std::vector<int64_t> sizes, strides;
+  std::vector<int64_t> sizes, strides;  // Fresh: that too; Ext: what the view must produce
   c10::Device device = c10::Device(c10::kCPU);
   bool undefined = false;        // None: an undefined tensor (a Tensor return), not None
 };
@@ -68,13 +71,21 @@ struct Step {
   std::vector<Result> outs;
   bool as_list = false;          // the op returns one Tensor[]
   bool view = false;             // a view op: run at once, below the key; its results are values
+  bool ext_view = false;         // a view of an external: its results are new externals (outs)
   int64_t n_recs = 0, n_new = 0;
   std::optional<at::ScalarType> default_dtype;  // a factory: the default dtype it was learned at
 };
 
+// Which ops the plan lets run at once when it does not expect them (Note [Host scalars] in
+// tracer/mode.py): none, the cpu device's lone host scalars, or (cpu not managed) any op on
+// cpu tensors only, which the mode passes through.
+enum class Host { None, Scalars, Cpu };
+
 struct Plan {
   std::vector<std::shared_ptr<Step>> steps;
   py::tuple nodes;               // the trie nodes, in order (S.node after each step)
+  Host host = Host::None;
+  py::object counter;            // the mode's counter of those ops' kind (a str)
 };
 
 // One served op, as the Python segment will record it.
@@ -83,6 +94,7 @@ struct Served {
   std::vector<c10::IValue> recs;
   // its values: a fresh output with its weak storage handle, or a view's result (no handle)
   std::vector<std::pair<WeakTensor, c10::StorageImpl*>> fresh;
+  std::vector<std::pair<int64_t, at::Tensor>> rebound;  // values whose tensor is now a twin
 };
 
 // The thread's segment while a plan serves it: the Python segment's values and externals
@@ -91,11 +103,16 @@ struct State {
   std::shared_ptr<Plan> plan;
   py::object seg;
   int64_t serial = 0;                           // the segment's serial these tables are of
+  size_t n_rebound = 0;                         // entries of the segment's ``rebound`` read
   size_t pos = 0;
   std::vector<WeakTensor> vals;                 // value i (a null one: dead at take-over)
   std::vector<Impl*> exts;                      // external k (held by the segment or below)
   std::unordered_map<Impl*, int64_t> known;     // impl -> value i, or ~k for external k
   std::vector<Served> served;
+  int64_t host_ops = 0;                         // ops run at once since (Plan::host)
+  int64_t ignored_ops = 0;                      // profiler ranges run at once since
+  std::unordered_set<c10::StorageImpl*> mem;    // the fresh values' storages (held weakly)
+  std::vector<c10::StorageImpl*> val_mem;       // value i's storage: fresh ones (else null)
 };
 
 // The plan each mode's segment is served by, and the tables of its last plan, kept after the
@@ -107,7 +124,8 @@ struct State {
 std::mutex g_mu;
 std::unordered_map<PyObject*, State*> g_active, g_kept;
 
-std::atomic<int64_t> g_served{0}, g_plans{0};  // ops served, plans taken (this process)
+// ops served, plans taken, ops a segment's plan did not expect (this process)
+std::atomic<int64_t> g_served{0}, g_plans{0}, g_unexpected{0};
 PyTypeObject* g_plain[2] = {nullptr, nullptr};  // torch.Tensor, torch.nn.Parameter
 PyObject* g_dead = nullptr;                     // a weak reference to nothing
 PyObject *s_outw, *s_exts, *s_extw, *s_ids, *s_floats, *s_stor, *s_node, *s_expect,
@@ -155,14 +173,28 @@ c10::IValue unwrapped(const c10::IValue& v) {
 struct Matching {
   std::vector<c10::IValue> recs;
   std::vector<at::Tensor> fresh;  // the new externals, by position
+  std::vector<std::pair<int64_t, at::Tensor>> twins;  // twins of values whose tensor died
 };
+
+// Note [Memory of a value] (tracer/segment.py): ``t`` sits on fresh value i's memory exactly as
+// the value does. The value's storage is held weakly (its address is not reused).
+bool is_twin(const State& st, const Check& c, const at::Tensor& t) {
+  size_t i = (size_t)c.index;
+  return c.twin && i < st.val_mem.size() && st.val_mem[i] != nullptr && t.defined() &&
+         t.has_storage() && t.storage().unsafeGetStorageImpl() == st.val_mem[i] &&
+         t.scalar_type() == c.dtype && t.storage_offset() == c.offset &&
+         same_ints(t.sizes(), c.sizes) && same_ints(t.strides(), c.strides) && plain(t);
+}
 
 bool check(const State& st, const Check& c, const c10::IValue& v, Matching& m) {
   switch (c.kind) {
     case K::Val: {
       if (!v.isTensor() || c.index >= (int64_t)st.vals.size()) return false;
       const WeakTensor& w = st.vals[c.index];
-      return w._unsafe_get_target() == v.unsafeToTensorImpl() && !w.expired();
+      if (w._unsafe_get_target() == v.unsafeToTensorImpl() && !w.expired()) return true;
+      if (!is_twin(st, c, v.toTensor())) return false;
+      if (w.expired()) m.twins.emplace_back(c.index, v.toTensor());  // it becomes the value's
+      return true;
     }
     case K::Ext:
       return v.isTensor() && c.index < (int64_t)st.exts.size() &&
@@ -249,6 +281,13 @@ void record(State& st) {
   py::object floats = py::reinterpret_steal<py::object>(attr(S, s_floats));
   py::object stor = py::reinterpret_steal<py::object>(attr(S, s_stor));
   for (Served& op : st.served) {
+    for (auto& [i, t] : op.rebound) {  // as Segment.adopt rebinds a value to its twin
+      py::object obj = py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(t)));
+      if (!obj) throw python_error();
+      set_id(ids.ptr(), obj.ptr(), i);
+      PyObject* ref = PyWeakref_NewRef(obj.ptr(), nullptr);
+      if (ref == nullptr || PyList_SetItem(outw.ptr(), i, ref) != 0) throw python_error();
+    }
     for (at::Tensor& t : op.new_exts) {
       PyObject* obj = THPVariable_Wrap(std::move(t));
       if (obj == nullptr) throw python_error();
@@ -288,6 +327,15 @@ void record(State& st) {
       }
     }
   }
+  if (st.host_ops != 0 || st.ignored_ops != 0) {
+    py::object counters = st.seg.attr("owner").attr("counters");
+    auto add = [&](py::str name, int64_t n) {
+      if (n != 0) counters.attr(name) = counters.attr(name).cast<int64_t>() + n;
+    };
+    add(st.plan->counter, st.host_ops);
+    add(py::str("ops_passthrough"), st.ignored_ops);
+    st.host_ops = st.ignored_ops = 0;
+  }
   if (!st.served.empty()) {
     PyObject* node = PyTuple_GET_ITEM(st.plan->nodes.ptr(), st.pos - 1);
     py::object next = py::reinterpret_steal<py::object>(attr(node, s_hot_next));
@@ -317,7 +365,29 @@ int64_t serial_of(PyObject* seg) {
 
 // Python's values and externals from ``st``'s sizes on into its tables.
 void import_tail(State* st) {
-  py::list outw = st->seg.attr("outw"), exts = st->seg.attr("exts");
+  py::list outw = st->seg.attr("outw"), exts = st->seg.attr("exts"), stor = st->seg.attr("stor");
+  for (size_t i = st->vals.size(); i < (size_t)stor.size(); i++) {
+    PyObject* handle = PyList_GET_ITEM(stor.ptr(), i);  // a weak storage handle, or None
+    auto* impl = handle == Py_None ? nullptr
+                                   : static_cast<c10::StorageImpl*>(PyLong_AsVoidPtr(handle));
+    if (impl != nullptr) st->mem.insert(impl);
+    st->val_mem.push_back(impl);
+  }
+  // values Python rebound to a twin tensor since (Note [Memory of a value])
+  py::list rebound = st->seg.attr("rebound");
+  for (size_t r = st->n_rebound; r < (size_t)rebound.size(); r++) {
+    size_t i = rebound[r].cast<size_t>();
+    if (i >= st->vals.size()) continue;  // imported below
+    PyObject* obj = PyWeakref_GetObject(outw[i].ptr());
+    if (obj != Py_None && THPVariable_Check(obj)) {
+      const at::Tensor& t = THPVariable_Unpack(obj);
+      auto old = st->known.find(st->vals[i]._unsafe_get_target());
+      if (old != st->known.end() && old->second == (int64_t)i) st->known.erase(old);
+      st->known[t.unsafeGetTensorImpl()] = (int64_t)i;
+      st->vals[i] = WeakTensor(t.getIntrusivePtr());
+    }
+  }
+  st->n_rebound = rebound.size();
   for (size_t i = st->vals.size(); i < (size_t)outw.size(); i++) {
     PyObject* obj = PyWeakref_GetObject(outw[i].ptr());
     if (obj != Py_None && THPVariable_Check(obj)) {
@@ -345,6 +415,13 @@ Check to_check(py::handle spec, const c10::Argument& arg) {
     c.kind = kind == "val" ? K::Val : kind == "ext" ? K::Ext : kind == "same" ? K::SameNew : K::Rec;
     c.index = t[1].cast<int64_t>();
     if (c.kind == K::Rec) c.rec = t[2].cast<int>();
+    if (c.kind == K::Val && t.size() == 6) {
+      c.twin = true;
+      c.dtype = dtype_of(t[2]);
+      c.sizes = t[3].cast<std::vector<int64_t>>();
+      c.strides = t[4].cast<std::vector<int64_t>>();
+      c.offset = t[5].cast<int64_t>();
+    }
   } else if (kind == "new") {
     c.kind = K::New;
     c.index = t[1].cast<int64_t>();
@@ -354,7 +431,16 @@ Check to_check(py::handle spec, const c10::Argument& arg) {
     c.device = t[5].cast<c10::Device>();
   } else if (kind == "value") {
     c.kind = K::Value;
-    c.value = torch::jit::toIValue(t[1], arg.real_type());
+    py::handle x = t[1];
+    bool number = PyBool_Check(x.ptr()) || PyLong_Check(x.ptr()) || PyFloat_Check(x.ptr());
+    if (number && arg.real_type()->kind() == c10::TypeKind::TensorType) {
+      // a Python number for a Tensor: it arrives as a wrapped number (``unwrapped``)
+      c.value = PyBool_Check(x.ptr())   ? c10::IValue(x.cast<bool>())
+                : PyLong_Check(x.ptr()) ? c10::IValue(x.cast<int64_t>())
+                                        : c10::IValue(x.cast<double>());
+    } else {
+      c.value = torch::jit::toIValue(x, arg.real_type());
+    }
   } else if (kind == "default") {
     TORCH_CHECK(arg.default_value().has_value(), "hot plan: ", arg.name(), " has no default");
     c.kind = K::Default;
@@ -389,6 +475,10 @@ std::shared_ptr<Step> make_step(const std::string& name, const std::string& over
       r.sizes = t[2].cast<std::vector<int64_t>>();
       r.strides = t[3].cast<std::vector<int64_t>>();
       r.device = t[4].cast<c10::Device>();
+    } else if (kind == "ext") {
+      r.kind = R::Ext;
+      r.sizes = t[1].cast<std::vector<int64_t>>();
+      r.strides = t[2].cast<std::vector<int64_t>>();
     } else if (kind == "alias") {
       r.kind = R::Alias;
       r.arg = t[1].cast<int64_t>();
@@ -400,6 +490,7 @@ std::shared_ptr<Step> make_step(const std::string& name, const std::string& over
   step->as_list = schema.returns().size() == 1 &&
                   schema.returns()[0].real_type()->kind() == c10::TypeKind::ListType;
   step->view = view;
+  step->ext_view = view && !step->outs.empty() && step->outs[0].kind == R::Ext;
   step->n_recs = n_recs;
   step->n_new = n_new;
   if (!default_dtype.is_none())
@@ -407,20 +498,26 @@ std::shared_ptr<Step> make_step(const std::string& name, const std::string& over
   return step;
 }
 
-std::shared_ptr<Plan> make_plan(py::list steps, py::tuple nodes) {
+std::shared_ptr<Plan> make_plan(py::list steps, py::tuple nodes, int host, py::object counter) {
   auto plan = std::make_shared<Plan>();
+  TORCH_CHECK(host >= 0 && host <= 2, "hot plan: host ", host, " is not 0, 1 or 2");
+  plan->host = static_cast<Host>(host);
+  plan->counter = counter;
   for (py::handle s : steps) plan->steps.push_back(s.cast<std::shared_ptr<Step>>());
   plan->nodes = nodes;
   TORCH_CHECK(plan->steps.size() == (size_t)nodes.size(), "hot plan: steps and nodes differ");
   return plan;
 }
 
-// Does any segment hold a plan now; (ops served, plans taken) in this process.
+// Does any segment hold a plan now; (ops served, plans taken, ops a plan did not expect) in
+// this process.
 bool serving() {
   std::lock_guard<std::mutex> lock(g_mu);
   return !g_active.empty();
 }
-std::vector<int64_t> served() { return {g_served.load(), g_plans.load()}; }
+std::vector<int64_t> served() {
+  return {g_served.load(), g_plans.load(), g_unexpected.load()};
+}
 
 }  // namespace
 
@@ -434,6 +531,8 @@ void add_value(State& st, Served& rec, const at::Tensor& t, bool fresh) {
   st.known[t.unsafeGetTensorImpl()] = (int64_t)st.vals.size();
   st.vals.emplace_back(t.getIntrusivePtr());
   rec.fresh.emplace_back(WeakTensor(t.getIntrusivePtr()), fresh ? weak_storage(t) : nullptr);
+  if (fresh) st.mem.insert(rec.fresh.back().second);
+  st.val_mem.push_back(rec.fresh.back().second);
 }
 
 // The dispatch mode on top of this thread's stack (the engine's, when a plan may serve).
@@ -443,13 +542,62 @@ PyObject* top_mode() {
   return c10::impl::TorchDispatchModeTLS::get_stack_at(n - 1)->ptr(getPyInterpreter());
 }
 
+bool serve_from(State* st, const c10::OperatorHandle& op, c10::DispatchKeySet ks,
+                torch::jit::Stack* stack);
+
+// Would the mode run ``op`` at once, outside the segment (Plan::host)? Every tensor argument
+// on the cpu, plain; with Host::Scalars each a 0-dim tensor the segment does not know, alone
+// on memory of its own (nothing the segment holds can alias it).
+bool host_tensor(const State& st, const at::Tensor& t) {
+  if (!t.defined() || !t.device().is_cpu() || t.layout() != at::kStrided || !plain(t)) return false;
+  if (st.plan->host == Host::Cpu) return true;
+  if (t.dim() != 0 || st.known.count(t.unsafeGetTensorImpl())) return false;
+  const c10::Storage& s = t.storage();  // not a value's memory (a twin of it), nor shared
+  return s.resizable() && s.use_count() == 1 && !st.mem.count(s.unsafeGetStorageImpl());
+}
+
+bool host_op(const State& st, const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
+  if (st.plan->host == Host::None) return false;
+  bool any = false;
+  for (const c10::IValue& v : torch::jit::last(stack, op.schema().arguments().size())) {
+    if (v.isTensor()) {
+      if (!host_tensor(st, v.toTensor())) return false;
+      any = true;
+    } else if (v.isTensorList()) {
+      for (const at::Tensor& t : v.toTensorList().vec()) {
+        if (!host_tensor(st, t)) return false;
+        any = true;
+      }
+    } else if (v.isList() || v.isGenericDict() || v.isObject() || v.isCapsule()) {
+      return false;  // an optional tensor list, say: not worth reading here
+    } else if (v.isDevice() && !v.toDevice().is_cpu()) {
+      return false;
+    }
+  }
+  return any;
+}
+
 bool serve(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
   PyObject* mode = top_mode();
   if (mode == nullptr) return false;
   std::lock_guard<std::mutex> lock(g_mu);
   auto found = g_active.find(mode);
   if (found == g_active.end()) return false;
-  State* st = found->second;
+  if (serve_from(found->second, op, ks, stack)) return true;
+  bool ignored = op.schema().name().rfind("profiler::", 0) == 0;  // tracer/optable.py: IGNORE
+  if (ignored || host_op(*found->second, op, *stack)) {  // runs now, as the mode would run it
+    (ignored ? found->second->ignored_ops : found->second->host_ops)++;
+    KeyOff off;
+    op.redispatchBoxed(ks.remove(kKey), stack);
+    return true;
+  }
+  g_unexpected.fetch_add(1, std::memory_order_relaxed);
+  return false;
+}
+
+// ``op`` served from ``st``'s plan, if it is what the plan expects next.
+bool serve_from(State* st, const c10::OperatorHandle& op, c10::DispatchKeySet ks,
+                torch::jit::Stack* stack) {
   if (st->pos >= st->plan->steps.size()) return false;
   const Step& step = *st->plan->steps[st->pos];
   if (op != *step.op) return false;
@@ -463,8 +611,40 @@ bool serve(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::St
   if (step.default_dtype.has_value() &&
       c10::typeMetaToScalarType(at::get_default_dtype()) != *step.default_dtype)
     return false;
+  std::vector<at::Tensor> ext_outs;
+  if (step.ext_view) {  // run it now and check what it made: a miss leaves the stack as it was
+    std::vector<c10::IValue> saved(args.begin(), args.end());
+    {
+      KeyOff off;
+      op.redispatchBoxed(ks.remove(kKey), stack);
+    }
+    size_t n_out = op.schema().returns().size();
+    for (const c10::IValue& v : torch::jit::last(*stack, n_out)) {
+      if (v.isTensor()) {
+        ext_outs.push_back(v.toTensor());
+      } else if (v.isTensorList()) {
+        for (const at::Tensor& t : v.toTensorList().vec()) ext_outs.push_back(t);
+      }
+    }
+    bool same = ext_outs.size() == step.outs.size();
+    for (size_t j = 0; same && j < ext_outs.size(); j++)
+      same = same_ints(ext_outs[j].sizes(), step.outs[j].sizes) &&
+             same_ints(ext_outs[j].strides(), step.outs[j].strides);
+    if (!same) {
+      torch::jit::drop(*stack, n_out);
+      for (auto& v : saved) stack->push_back(std::move(v));
+      return false;
+    }
+  }
   // It matches: record it and make its results, as its fast path does.
   Served rec;
+  for (auto& [i, t] : m.twins) {  // a dead value's twin: the value's tensor from now on
+    auto old = st->known.find(st->vals[i]._unsafe_get_target());
+    if (old != st->known.end() && old->second == i) st->known.erase(old);
+    st->known[t.unsafeGetTensorImpl()] = i;
+    st->vals[i] = WeakTensor(t.getIntrusivePtr());
+    rec.rebound.emplace_back(i, std::move(t));
+  }
   for (at::Tensor& t : m.fresh) {
     Impl* impl = t.unsafeGetTensorImpl();
     st->known[impl] = ~(int64_t)st->exts.size();
@@ -472,6 +652,18 @@ bool serve(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::St
     rec.new_exts.push_back(std::move(t));
   }
   rec.recs = std::move(m.recs);
+  if (step.ext_view) {  // its results are new externals, after those it read
+    for (at::Tensor& t : ext_outs) {
+      Impl* impl = t.unsafeGetTensorImpl();
+      st->known[impl] = ~(int64_t)st->exts.size();
+      st->exts.push_back(impl);
+      rec.new_exts.push_back(std::move(t));
+    }
+    st->served.push_back(std::move(rec));
+    st->pos++;
+    g_served.fetch_add(1, std::memory_order_relaxed);
+    return true;
+  }
   if (step.view) {  // run it now (a view: no data is touched); each result a value
     {
       KeyOff off;
