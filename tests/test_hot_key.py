@@ -407,3 +407,48 @@ def test_a_plan_that_cannot_be_built_is_a_counted_fallback(monkeypatch):
     assert got == [ref] * 6 and s.replays >= 3  # hot, through the mode
     assert hot_key.load().served()[0] == served
     assert "no plan for the dispatch key (RuntimeError: no steps today)" in s.fallbacks
+
+
+def test_threads_served_at_once_never_wait_on_each_other(monkeypatch):
+    # Two threads, each with its engine's mode and plans: a plan's state is found under a
+    # lock, but nothing holding that lock waits for the interpreter lock (releasing a tensor
+    # may), or a thread handing back with the interpreter lock and one serving with the
+    # plans' lock waited on each other forever.
+    import threading
+
+    import torch.nn as nn
+
+    import adaptive_eager as ae
+
+    monkeypatch.setenv("NEURON_ADAPTIVE_EAGER_HOT_PATH", "key")
+
+    def train(seed, out):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        x = torch.randn(4, 8)
+        losses = []
+        for _ in range(40):
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        out.append((seed, losses))
+
+    def work(seed, out):
+        with ae.enabled(devices=("cpu",), backend="exact"):
+            train(seed, out)
+
+    refs, got = [], []
+    for s in (1, 2):
+        train(s, refs)
+    served = hot_key.load().served()[0]
+    threads = [threading.Thread(target=work, args=(s, got), daemon=True) for s in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "threads under the key deadlocked"
+    assert sorted(got) == sorted(refs)
+    assert hot_key.load().served()[0] > served

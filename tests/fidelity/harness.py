@@ -412,6 +412,8 @@ def _mark():
     """The engine's counters, and how many ops wait in this thread's segment (the hot path
     counts nothing as it goes: deferred ops are counted when their segment launches)."""
     m = ae._engine().mode()
+    if m is not None:
+        m.settle()  # the ops the dispatch key served, into the segment (tracer/hot_key.py)
     return ae.stats(), (len(m.seg.floats) if m is not None else 0)
 
 

@@ -119,8 +119,10 @@ struct State {
 // hand-back: a plan taken later in the same segment (after a host op, say) imports only what
 // Python added since. Keyed by mode, not by thread: autograd runs a device's backward on a
 // thread of its own, and ops of one segment may reach the key from either thread (one at a
-// time: the program's thread waits in backward()). ``g_mu`` guards the maps and the states;
-// whoever takes the interpreter lock as well takes it first.
+// time: the program's thread waits in backward()). ``g_mu`` guards the maps; whoever takes
+// the interpreter lock as well takes it first, and nothing waits for the interpreter lock
+// while holding ``g_mu``: releasing a tensor may (its Python object), so ``serve`` holds it
+// only to find the mode's state, which only that mode's ops touch, one at a time.
 std::mutex g_mu;
 std::unordered_map<PyObject*, State*> g_active, g_kept;
 
@@ -580,13 +582,17 @@ bool host_op(const State& st, const c10::OperatorHandle& op, const torch::jit::S
 bool serve(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
   PyObject* mode = top_mode();
   if (mode == nullptr) return false;
-  std::lock_guard<std::mutex> lock(g_mu);
-  auto found = g_active.find(mode);
-  if (found == g_active.end()) return false;
-  if (serve_from(found->second, op, ks, stack)) return true;
+  State* st = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    auto found = g_active.find(mode);
+    if (found == g_active.end()) return false;
+    st = found->second;
+  }
+  if (serve_from(st, op, ks, stack)) return true;
   bool ignored = op.schema().name().rfind("profiler::", 0) == 0;  // tracer/optable.py: IGNORE
-  if (ignored || host_op(*found->second, op, *stack)) {  // runs now, as the mode would run it
-    (ignored ? found->second->ignored_ops : found->second->host_ops)++;
+  if (ignored || host_op(*st, op, *stack)) {  // runs now, as the mode would run it
+    (ignored ? st->ignored_ops : st->host_ops)++;
     KeyOff off;
     op.redispatchBoxed(ks.remove(kKey), stack);
     return true;
@@ -710,6 +716,28 @@ bool serve_from(State* st, const c10::OperatorHandle& op, c10::DispatchKeySet ks
   return true;
 }
 
+// ``mode``'s entry of ``map``, taken out of it (null if none).
+State* take(std::unordered_map<PyObject*, State*>& map, PyObject* mode) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto found = map.find(mode);
+  if (found == map.end()) return nullptr;
+  State* st = found->second;
+  map.erase(found);
+  return st;
+}
+
+// ``st`` as ``mode``'s entry of ``map``; the entry it replaces, released (with the GIL).
+void put(std::unordered_map<PyObject*, State*>& map, PyObject* mode, State* st) {
+  State* old = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    State*& slot = map[mode];
+    old = slot;
+    slot = st;
+  }
+  release(old);
+}
+
 void hand_back(PyObject* mode) {
   if (mode == nullptr) return;
   {
@@ -717,11 +745,8 @@ void hand_back(PyObject* mode) {
     if (g_active.find(mode) == g_active.end()) return;
   }
   py::gil_scoped_acquire gil;
-  std::lock_guard<std::mutex> lock(g_mu);
-  auto found = g_active.find(mode);
-  if (found == g_active.end()) return;
-  State* st = found->second;
-  g_active.erase(found);
+  State* st = take(g_active, mode);  // ours alone from here: serve no longer finds it
+  if (st == nullptr) return;
   try {
     record(*st);
   } catch (...) {
@@ -731,21 +756,14 @@ void hand_back(PyObject* mode) {
   drop_served(st);
   st->plan.reset();
   st->pos = 0;
-  auto kept = g_kept.find(mode);
-  if (kept != g_kept.end()) release(kept->second);
-  g_kept[mode] = st;
+  put(g_kept, mode, st);
 }
 
 void hand_back_top() { hand_back(top_mode()); }
 
 void forget(PyObject* mode) {
   hand_back(mode);
-  std::lock_guard<std::mutex> lock(g_mu);
-  auto kept = g_kept.find(mode);
-  if (kept != g_kept.end()) {
-    release(kept->second);
-    g_kept.erase(kept);
-  }
+  release(take(g_kept, mode));
 }
 
 void take_over(PyObject* planner, PyObject* mode) {
@@ -757,13 +775,7 @@ void take_over(PyObject* planner, PyObject* mode) {
   auto pair = res.cast<py::tuple>();
   py::object seg = pair[1];
   int64_t serial = serial_of(seg.ptr());
-  std::lock_guard<std::mutex> lock(g_mu);
-  State* st = nullptr;
-  auto kept = g_kept.find(mode);
-  if (kept != g_kept.end()) {
-    st = kept->second;
-    g_kept.erase(kept);
-  }
+  State* st = take(g_kept, mode);
   if (st == nullptr || !st->seg.is(seg) || st->serial != serial) {
     release(st);
     st = new State();
@@ -777,7 +789,7 @@ void take_over(PyObject* planner, PyObject* mode) {
     release(st);
     throw;
   }
-  g_active[mode] = st;
+  put(g_active, mode, st);
   g_plans.fetch_add(1, std::memory_order_relaxed);
 }
 
