@@ -82,12 +82,13 @@ VARIABLES: tuple[Var, ...] = (
         "1: fused graphs whose kernels run on the CPU or on CUDA compile in a separate "
         "process, so the loop never waits for the interpreter lock while they compile; 0: "
         "on a thread of this process."),
-    Var("NEURON_ADAPTIVE_EAGER_HOT_PATH", "hot_path", "choice", "cpp",
-        "How a hot path checks and records each op: `cpp` (compiled, built once with the "
-        "machine's compiler; ops it cannot serve use Python, counted), `python` (generated "
-        "Python, needing no compiler) or `key` (experimental: as `cpp`, with every op "
-        "reaching the engine through a dispatch key of its own below autograd, the way to "
-        "serving hot ops without Python; no faster yet).", choices=("cpp", "python", "key")),
+    Var("NEURON_ADAPTIVE_EAGER_HOT_PATH", "hot_path", "choice", "key",
+        "How a hot path checks and records each op: `key` (ops reach the engine through a "
+        "dispatch key of its own below autograd, and a hot segment's ops are served there in "
+        "C++ without Python), `cpp` (through a Python dispatch mode, each op checked and "
+        "recorded by compiled code; ops it cannot serve use Python, counted) or `python` "
+        "(generated Python, needing no compiler). `key` and `cpp` are built once with the "
+        "machine's compiler.", choices=("key", "cpp", "python")),
     Var("NEURON_EMULATOR_LAUNCH_US", "emulator_launch_us", "float", 10.0,
         "Modelled launch latency of the emulated `neuron` device, in microseconds, paid per "
         "launch on the device's timeline (not by the host); see README, The neuron device.",
@@ -123,7 +124,7 @@ class Config:
     suspend_ratio: float = 1.05
     queue_depth: int = 8
     compile_process: bool = True
-    hot_path: str = "cpp"
+    hot_path: str = "key"
 
     def backend_for(self, device_type: str) -> str:
         """Backend used for segments on ``device_type``."""

@@ -12,7 +12,7 @@ os.environ.setdefault(
 for _name in [n for n in os.environ if n.startswith("NEURON_ADAPTIVE_EAGER")]:
     del os.environ[_name]  # tests configure the engine explicitly
 # ... except the hot path's form, which the whole suite can be run under:
-# ADAPTIVE_EAGER_TEST_HOT_PATH=key python -m pytest tests (Note [Below the floor])
+# ADAPTIVE_EAGER_TEST_HOT_PATH=cpp python -m pytest tests (stage 1; Note [Below the floor])
 if os.environ.get("ADAPTIVE_EAGER_TEST_HOT_PATH"):
     os.environ["NEURON_ADAPTIVE_EAGER_HOT_PATH"] = os.environ["ADAPTIVE_EAGER_TEST_HOT_PATH"]
 # Two decisions are taken from wall-clock timings: the step governor (Note [Stepping aside])

@@ -327,11 +327,8 @@ def test_zero_tensor_gradient_is_a_counted_boundary():
     ref = step()
     with ae.enabled(**CPU):
         got = [step() for _ in range(4)]
-        key = ae._engine().config().hot_path == "key"
     assert got == [ref] * 4
-    # With the hot path's dispatch key (Note [Below the floor]) PyTorch sees no dispatch mode
-    # active, and autograd gives plain eager's gradient (a tensor of zeros, not a zero tensor)
-    assert any("zero tensor" in r for r in ae.stats().fallbacks) != key
+    assert any("zero tensor" in r for r in ae.stats().fallbacks)
 
 
 def test_result_with_overlapping_elements_is_a_counted_boundary():

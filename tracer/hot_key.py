@@ -24,9 +24,8 @@ What the mechanism taught (each tried here, torch 2.13):
   mode's handling, which pops it). The mode sees the ops it saw without the key.
 * PyTorch asks "is a dispatch mode active?" (Python not excluded, a mode on the stack) in
   places and takes another path when one is: engaged, it sees none, so autograd no longer
-  detaches saved outputs for the mode and gives sgn's gradient as plain eager does (zeros,
-  not a zero tensor); composite ops take plain eager's path, not the subclass path (Note
-  [Any dispatch mode], tests/fidelity/harness.py).
+  detaches saved outputs for the mode, and composite ops take plain eager's path, not the
+  subclass path (Note [Any dispatch mode], tests/fidelity/harness.py).
 * A change to the thread's key sets made inside a dispatcher call does not outlive the call:
   ``ExcludeDispatchKeyGuard`` and ``IncludeDispatchKeyGuard`` save the whole set and restore
   it, and autograd's kernels hold one above every op. Only the engine's own Python, outside
@@ -88,7 +87,7 @@ def load():
         _module = cpp_build.build("hot_key", [_CSRC / "hot_key.cpp", _CSRC / "hot_segment.cpp"],
                                   headers=[_CSRC / "hot_segment.h"], who="adaptive_eager",
                                   what="the hot path's dispatch key",
-                                  instead="leave the hot path's dispatch key off")
+                                  instead="set NEURON_ADAPTIVE_EAGER_HOT_PATH=python")
     return _module
 
 
