@@ -105,6 +105,11 @@ class Engine:
         self._engage(config.hot_path == "key")
         readguard.count_reads(self, True)
 
+    def engage_key(self, mode, on: bool) -> None:
+        """The governor's: the key off while ``mode`` (this thread's) steps aside, back on
+        with it (Note [Stepping aside])."""
+        self._engage(on and mode.config.hot_path == "key")
+
     def _engage(self, on: bool) -> None:
         """Ops reach this thread's mode through the hot path's dispatch key (``hot_path`` key),
         or not. Switched here, in the engine's Python, outside any op: Note [Below the

@@ -10,8 +10,8 @@ runs are slower than eager too. So it measures what the user would feel, per opt
               still on its way to hot, no fused graph run for the first time, no compiled
               graph waiting to be installed; a compile still running does not count, Note
               [Measured while compiling]): time ``window`` steps;
-    probe     the mode off the dispatch stack -- plain eager, nothing intercepted -- for
-              ``window`` steps, timed the same way;
+    probe     the mode off the dispatch stack and the hot path's dispatch key off --
+              plain eager, nothing intercepted -- for ``window`` steps, timed the same way;
     decide    engine median > ``suspend_ratio`` x eager median: *suspended* (plain eager)
               for ``backoff`` steps, counted with both figures as a fallback, the back-off
               growing x4 each time up to 4096 steps; else *kept* and probed again after
@@ -171,6 +171,7 @@ class Governor:
             self.engine_times.clear()
             return False
         mode.boundary("engine steps aside")
+        mode.engine.engage_key(mode, False)  # aside means plain eager: no key either
         mode.__exit__(None, None, None)
         self.off = True
         self.depth = len(stack) - 1
@@ -184,6 +185,7 @@ class Governor:
         if len(_get_current_dispatch_mode_stack()) != self.depth:
             return False
         mode.__enter__()
+        mode.engine.engage_key(mode, True)
         self.off = False
         return True
 

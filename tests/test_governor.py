@@ -7,6 +7,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import adaptive_eager as ae
 from adaptive_eager.governor import FIRST_BACKOFF, WINDOW
+from adaptive_eager.tracer import hot_key
 from conftest import Delta
 
 CPU = dict(devices=("cpu",), backend="exact")
@@ -66,6 +67,7 @@ def test_ops_are_not_intercepted_while_aside(monkeypatch):
         model(x).sum().backward()
         opt.step()
         assert d.ops_intercepted == 0 and d.steps_suspended == 1
+        assert not hot_key.load().is_on()  # the hot path's dispatch key is off too
         assert ae.is_enabled()
     assert not torch.utils._python_dispatch._get_current_dispatch_mode_stack()
 
