@@ -422,11 +422,12 @@ def test_threads_served_at_once_never_wait_on_each_other(monkeypatch):
 
     monkeypatch.setenv("NEURON_ADAPTIVE_EAGER_HOT_PATH", "key")
 
-    def train(seed, out):
+    def make(seed):  # on this thread: the global generator is shared by threads
         torch.manual_seed(seed)
-        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+        return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2)), torch.randn(4, 8)
+
+    def train(model, x):
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        x = torch.randn(4, 8)
         losses = []
         for _ in range(40):
             loss = model(x).square().mean()
@@ -434,21 +435,26 @@ def test_threads_served_at_once_never_wait_on_each_other(monkeypatch):
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
-        out.append((seed, losses))
+        return losses
 
-    def work(seed, out):
-        with ae.enabled(devices=("cpu",), backend="exact"):
-            train(seed, out)
+    refs = [train(*make(s)) for s in (1, 2)]
+    got, errors = {}, []
 
-    refs, got = [], []
-    for s in (1, 2):
-        train(s, refs)
+    def work(k, model, x):
+        try:
+            with ae.enabled(devices=("cpu",), backend="exact"):
+                got[k] = train(model, x)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
     served = hot_key.load().served()[0]
-    threads = [threading.Thread(target=work, args=(s, got), daemon=True) for s in (1, 2)]
+    threads = [threading.Thread(target=work, args=(k, *make(s)), daemon=True)
+               for k, s in enumerate((1, 2))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=120)
     assert not any(t.is_alive() for t in threads), "threads under the key deadlocked"
-    assert sorted(got) == sorted(refs)
+    assert not errors, errors
+    assert [got[0], got[1]] == refs
     assert hot_key.load().served()[0] > served

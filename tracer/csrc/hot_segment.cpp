@@ -88,13 +88,16 @@ struct Plan {
   py::object counter;            // the mode's counter of those ops' kind (a str)
 };
 
-// One served op, as the Python segment will record it.
+// One served op, as the Python segment will record it: how many of each record it added to
+// the state's flat lists (kept, with their capacity, across plans: no allocation per op).
 struct Served {
-  std::vector<at::Tensor> new_exts;
+  uint32_t rebound = 0, new_exts = 0, recs = 0, fresh = 0;
+};
+
+struct Matching {
   std::vector<c10::IValue> recs;
-  // its values: a fresh output with its weak storage handle, or a view's result (no handle)
-  std::vector<std::pair<WeakTensor, c10::StorageImpl*>> fresh;
-  std::vector<std::pair<int64_t, at::Tensor>> rebound;  // values whose tensor is now a twin
+  std::vector<at::Tensor> fresh;  // the new externals, by position
+  std::vector<std::pair<int64_t, at::Tensor>> twins;  // twins of values whose tensor died
 };
 
 // The thread's segment while a plan serves it: the Python segment's values and externals
@@ -109,6 +112,15 @@ struct State {
   std::vector<Impl*> exts;                      // external k (held by the segment or below)
   std::unordered_map<Impl*, int64_t> known;     // impl -> value i, or ~k for external k
   std::vector<Served> served;
+  // what the served ops recorded, in order: values rebound to a twin, new externals,
+  // recorded numbers, values (a fresh output with its weak storage handle, or a view's
+  // result with none)
+  std::vector<std::pair<int64_t, at::Tensor>> r_rebound;
+  std::vector<at::Tensor> r_new_exts;
+  std::vector<c10::IValue> r_recs;
+  std::vector<std::pair<WeakTensor, c10::StorageImpl*>> r_fresh;
+  Matching m;                                   // scratch of serve_from
+  std::vector<c10::IValue> results;             // scratch of serve_from
   int64_t host_ops = 0;                         // ops run at once since (Plan::host)
   int64_t ignored_ops = 0;                      // profiler ranges run at once since
   std::unordered_set<c10::StorageImpl*> mem;    // the fresh values' storages (held weakly)
@@ -171,12 +183,6 @@ c10::IValue unwrapped(const c10::IValue& v) {
     default: return v;
   }
 }
-
-struct Matching {
-  std::vector<c10::IValue> recs;
-  std::vector<at::Tensor> fresh;  // the new externals, by position
-  std::vector<std::pair<int64_t, at::Tensor>> twins;  // twins of values whose tensor died
-};
 
 // Note [Memory of a value] (tracer/segment.py): ``t`` sits on fresh value i's memory exactly as
 // the value does. The value's storage is held weakly (its address is not reused).
@@ -282,33 +288,37 @@ void record(State& st) {
   py::object ids = py::reinterpret_steal<py::object>(attr(S, s_ids));
   py::object floats = py::reinterpret_steal<py::object>(attr(S, s_floats));
   py::object stor = py::reinterpret_steal<py::object>(attr(S, s_stor));
-  for (Served& op : st.served) {
-    for (auto& [i, t] : op.rebound) {  // as Segment.adopt rebinds a value to its twin
+  size_t a = 0, b = 0, c = 0, d = 0;  // read positions in the flat lists
+  for (const Served& op : st.served) {
+    for (uint32_t k = 0; k < op.rebound; k++) {  // as Segment.adopt rebinds a value to its twin
+      auto& [i, t] = st.r_rebound[a++];
       py::object obj = py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(t)));
       if (!obj) throw python_error();
       set_id(ids.ptr(), obj.ptr(), i);
       PyObject* ref = PyWeakref_NewRef(obj.ptr(), nullptr);
       if (ref == nullptr || PyList_SetItem(outw.ptr(), i, ref) != 0) throw python_error();
     }
-    for (at::Tensor& t : op.new_exts) {
-      PyObject* obj = THPVariable_Wrap(std::move(t));
+    for (uint32_t k = 0; k < op.new_exts; k++) {
+      PyObject* obj = THPVariable_Wrap(std::move(st.r_new_exts[b++]));
       if (obj == nullptr) throw python_error();
       set_id(ids.ptr(), obj, ~PyList_GET_SIZE(exts.ptr()));
       append(extw.ptr(), PyWeakref_NewRef(obj, nullptr));
       append(exts.ptr(), obj);
     }
-    PyObject* rec = PyTuple_New((Py_ssize_t)op.recs.size());
+    PyObject* rec = PyTuple_New((Py_ssize_t)op.recs);
     if (rec == nullptr) throw python_error();
-    for (size_t j = 0; j < op.recs.size(); j++) {
-      PyObject* x = to_python(op.recs[j]);
+    for (size_t j = 0; j < op.recs; j++) {
+      PyObject* x = to_python(st.r_recs[c + j]);
       if (x == nullptr) {
         Py_DECREF(rec);
         throw python_error();
       }
       PyTuple_SET_ITEM(rec, j, x);
     }
+    c += op.recs;
     append(floats.ptr(), rec);
-    for (auto& [w, handle] : op.fresh) {
+    for (uint32_t k = 0; k < op.fresh; k++) {
+      auto& [w, handle] = st.r_fresh[d++];
       StrongTensor alive = w.lock();
       if (alive) {
         py::object obj = py::reinterpret_steal<py::object>(
@@ -347,10 +357,13 @@ void record(State& st) {
 }
 
 void drop_served(State* st) {
-  for (Served& op : st->served)
-    for (auto& f : op.fresh)
-      if (f.second != nullptr) c10::raw::weak_intrusive_ptr::decref(f.second);
+  for (auto& f : st->r_fresh)
+    if (f.second != nullptr) c10::raw::weak_intrusive_ptr::decref(f.second);
   st->served.clear();
+  st->r_rebound.clear();
+  st->r_new_exts.clear();
+  st->r_recs.clear();
+  st->r_fresh.clear();
 }
 
 void release(State* st) {
@@ -532,9 +545,10 @@ at::Tensor allocate(const Result& r) {
 void add_value(State& st, Served& rec, const at::Tensor& t, bool fresh) {
   st.known[t.unsafeGetTensorImpl()] = (int64_t)st.vals.size();
   st.vals.emplace_back(t.getIntrusivePtr());
-  rec.fresh.emplace_back(WeakTensor(t.getIntrusivePtr()), fresh ? weak_storage(t) : nullptr);
-  if (fresh) st.mem.insert(rec.fresh.back().second);
-  st.val_mem.push_back(rec.fresh.back().second);
+  st.r_fresh.emplace_back(WeakTensor(t.getIntrusivePtr()), fresh ? weak_storage(t) : nullptr);
+  rec.fresh++;
+  if (fresh) st.mem.insert(st.r_fresh.back().second);
+  st.val_mem.push_back(st.r_fresh.back().second);
 }
 
 // The dispatch mode on top of this thread's stack (the engine's, when a plan may serve).
@@ -609,7 +623,17 @@ bool serve_from(State* st, const c10::OperatorHandle& op, c10::DispatchKeySet ks
   if (op != *step.op) return false;
   size_t n = step.args.size();
   auto args = torch::jit::last(*stack, n);
-  Matching m;
+  Matching& m = st->m;
+  // emptied on the way out, matched or not: a tensor held here would count as a use of its
+  // memory (Note [Storage objects], scheduler/storage.py)
+  struct Emptied {
+    Matching& m;
+    ~Emptied() {
+      m.recs.clear();
+      m.fresh.clear();
+      m.twins.clear();
+    }
+  } emptied{m};
   m.recs.resize(step.n_recs);
   m.fresh.resize(step.n_new);
   for (size_t i = 0; i < n; i++)
@@ -649,23 +673,27 @@ bool serve_from(State* st, const c10::OperatorHandle& op, c10::DispatchKeySet ks
     if (old != st->known.end() && old->second == i) st->known.erase(old);
     st->known[t.unsafeGetTensorImpl()] = i;
     st->vals[i] = WeakTensor(t.getIntrusivePtr());
-    rec.rebound.emplace_back(i, std::move(t));
+    st->r_rebound.emplace_back(i, std::move(t));
+    rec.rebound++;
   }
   for (at::Tensor& t : m.fresh) {
     Impl* impl = t.unsafeGetTensorImpl();
     st->known[impl] = ~(int64_t)st->exts.size();
     st->exts.push_back(impl);
-    rec.new_exts.push_back(std::move(t));
+    st->r_new_exts.push_back(std::move(t));
+    rec.new_exts++;
   }
-  rec.recs = std::move(m.recs);
+  for (c10::IValue& v : m.recs) st->r_recs.push_back(std::move(v));
+  rec.recs = (uint32_t)m.recs.size();
   if (step.ext_view) {  // its results are new externals, after those it read
     for (at::Tensor& t : ext_outs) {
       Impl* impl = t.unsafeGetTensorImpl();
       st->known[impl] = ~(int64_t)st->exts.size();
       st->exts.push_back(impl);
-      rec.new_exts.push_back(std::move(t));
+      st->r_new_exts.push_back(std::move(t));
+      rec.new_exts++;
     }
-    st->served.push_back(std::move(rec));
+    st->served.push_back(rec);
     st->pos++;
     g_served.fetch_add(1, std::memory_order_relaxed);
     return true;
@@ -683,12 +711,13 @@ bool serve_from(State* st, const c10::OperatorHandle& op, c10::DispatchKeySet ks
         for (const at::Tensor& t : v.toTensorList().vec()) add_value(*st, rec, t, false);
       }
     }
-    st->served.push_back(std::move(rec));
+    st->served.push_back(rec);
     st->pos++;
     g_served.fetch_add(1, std::memory_order_relaxed);
     return true;
   }
-  std::vector<c10::IValue> results;
+  std::vector<c10::IValue>& results = st->results;
+  results.clear();
   for (const Result& r : step.outs) {
     if (r.kind == R::Fresh) {
       at::Tensor t = allocate(r);
@@ -702,7 +731,7 @@ bool serve_from(State* st, const c10::OperatorHandle& op, c10::DispatchKeySet ks
       results.emplace_back();
     }
   }
-  st->served.push_back(std::move(rec));
+  st->served.push_back(rec);
   st->pos++;
   g_served.fetch_add(1, std::memory_order_relaxed);
   torch::jit::drop(*stack, n);
@@ -713,6 +742,7 @@ bool serve_from(State* st, const c10::OperatorHandle& op, c10::DispatchKeySet ks
   } else {
     for (auto& v : results) stack->push_back(std::move(v));
   }
+  results.clear();
   return true;
 }
 
