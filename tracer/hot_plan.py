@@ -1,15 +1,18 @@
 """Plans: what a hot segment expects next, compiled for the dispatch key (csrc/hot_segment.cpp).
 
-With ``NEURON_ADAPTIVE_EAGER_HOT_PATH=key`` (Note [Below the floor]), after the mode handled
-an op of a hot segment, the key asks ``plan(mode)`` for the ops the segment expects next: the
-trie nodes along ``hot_next`` from the segment's node, each compiled once into a ``Step`` (its
-checks per schema argument and its results, what the node's fast path checks and makes; a
-view op runs at once, as there, a view of an external checked by what it produces), up to
-the first node that needs Python: a random op, an output ``empty_strided`` cannot make or on a device with an
-allocator in Python (the Python emulator), an argument of a kind not compiled, a node
-where the segment launches early (``ends_here``) or is cut. The key then serves those ops in
-C++ and hands what it served back to the segment (``hand_back``) at the first op the plan
-does not expect, or whenever the engine's Python touches the segment.
+With ``NEURON_ADAPTIVE_EAGER_HOT_PATH=key`` (the default; Note [Below the floor]), after the
+mode handled an op of a hot segment, the key asks ``plan(mode)`` for the ops the segment
+expects next: the trie nodes along ``hot_next`` from the segment's node, each compiled once
+into a ``Step`` (its checks per schema argument and its results, what the node's fast path
+checks and makes; a value's twin taken for the value, Note [Memory of a value]; a view op
+runs at once, as there, a view of an external checked by what it produces), up to the first
+node that needs Python: a random op, an output ``empty_strided`` cannot make or on a device
+with an allocator in Python (the Python emulator), an argument of a kind not compiled, a
+node where the segment launches early (``ends_here``) or is cut. The key then serves those
+ops in C++, runs at once the ops the mode would run outside the segment (host scalars, cpu
+ops beside a device's segment, profiler ranges), and hands what it served back to the
+segment (``hand_back``) at the first other op the plan does not expect, or whenever the
+engine's Python touches the segment.
 """
 
 from __future__ import annotations
