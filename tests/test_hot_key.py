@@ -458,3 +458,35 @@ def test_threads_served_at_once_never_wait_on_each_other(monkeypatch):
     assert not errors, errors
     assert [got[0], got[1]] == refs
     assert hot_key.load().served()[0] > served
+
+
+def test_an_absent_optional_tensor_passed_undefined_is_served(monkeypatch):
+    # autograd calls sdpa's backward with its saved ``attn_mask``: an undefined tensor where
+    # the mode sees None; the plan's check took it for a mismatch, and the op went to Python
+    import torch.nn.functional as F
+
+    import adaptive_eager as ae
+
+    monkeypatch.setenv("NEURON_ADAPTIVE_EAGER_HOT_PATH", "key")
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 8, 16, requires_grad=True) for _ in range(3))
+
+    def step():
+        out = F.scaled_dot_product_attention(q, k, v)
+        (out * out).sum().backward()
+        grads = [t.grad.clone() for t in (q, k, v)]
+        for t in (q, k, v):
+            t.grad = None
+        return [g.sum().item() for g in grads]
+
+    ref = step()
+    m = hot_key.load()
+    with ae.enabled(devices=("cpu",), backend="exact"):
+        for i in range(6):
+            if i == 3:
+                before = m.served()
+            assert step() == ref
+    served, plans, unexpected = (b - a for a, b in zip(before, m.served()))
+    # per hot step the plan begins after the forward's sdpa (a random op: Python) and serves
+    # the rest, sdpa's backward included, to the read that ends the segment
+    assert plans == 3 and unexpected == 3 and served > 0

@@ -170,9 +170,12 @@ bool same_kind(const c10::IValue& a, const c10::IValue& b) {
 }
 
 // A Python number in a Tensor argument reaches the dispatcher as a wrapped-number tensor,
-// which the mode receives converted back to the number: the number, as the mode saw it.
+// which the mode receives converted back to the number, and an absent optional tensor may
+// reach it as an undefined tensor (autograd's backward passes its saved ``attn_mask`` so),
+// which the mode receives as None: the argument, as the mode saw it.
 c10::IValue unwrapped(const c10::IValue& v) {
   if (!v.isTensor()) return v;
+  if (!v.toTensor().defined()) return c10::IValue();  // an absent optional tensor: None to the mode
   Impl* impl = v.unsafeToTensorImpl();
   if (!impl->is_wrapped_number()) return v;
   const at::Tensor& t = v.toTensor();
@@ -235,7 +238,7 @@ bool check(const State& st, const Check& c, const c10::IValue& v, Matching& m) {
       return same_kind(c.value, x) && c.value == x;
     }
     case K::Default:
-      return c.value == v;
+      return c.value == unwrapped(v);
     case K::Tensors: {
       if (!v.isTensorList()) return false;
       auto list = v.toTensorList();
