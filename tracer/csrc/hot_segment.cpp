@@ -381,6 +381,15 @@ int64_t serial_of(PyObject* seg) {
   return v.cast<int64_t>();
 }
 
+// Value i's tensor is ``t`` from now on (a twin: Note [Memory of a value]); the old tensor's
+// entry goes, its address being free for reuse once ``vals`` lets go of it.
+void rebind(State& st, int64_t i, const at::Tensor& t) {
+  auto old = st.known.find(st.vals[i]._unsafe_get_target());
+  if (old != st.known.end() && old->second == i) st.known.erase(old);
+  st.known[t.unsafeGetTensorImpl()] = i;
+  st.vals[i] = WeakTensor(t.getIntrusivePtr());
+}
+
 // Python's values and externals from ``st``'s sizes on into its tables.
 void import_tail(State* st) {
   py::list outw = st->seg.attr("outw"), exts = st->seg.attr("exts"), stor = st->seg.attr("stor");
@@ -398,11 +407,7 @@ void import_tail(State* st) {
     if (i >= st->vals.size()) continue;  // imported below
     PyObject* obj = PyWeakref_GetObject(outw[i].ptr());
     if (obj != Py_None && THPVariable_Check(obj)) {
-      const at::Tensor& t = THPVariable_Unpack(obj);
-      auto old = st->known.find(st->vals[i]._unsafe_get_target());
-      if (old != st->known.end() && old->second == (int64_t)i) st->known.erase(old);
-      st->known[t.unsafeGetTensorImpl()] = (int64_t)i;
-      st->vals[i] = WeakTensor(t.getIntrusivePtr());
+      rebind(*st, (int64_t)i, THPVariable_Unpack(obj));
     }
   }
   st->n_rebound = rebound.size();
@@ -672,10 +677,7 @@ bool serve_from(State* st, const c10::OperatorHandle& op, c10::DispatchKeySet ks
   // It matches: record it and make its results, as its fast path does.
   Served rec;
   for (auto& [i, t] : m.twins) {  // a dead value's twin: the value's tensor from now on
-    auto old = st->known.find(st->vals[i]._unsafe_get_target());
-    if (old != st->known.end() && old->second == i) st->known.erase(old);
-    st->known[t.unsafeGetTensorImpl()] = i;
-    st->vals[i] = WeakTensor(t.getIntrusivePtr());
+    rebind(*st, i, t);
     st->r_rebound.emplace_back(i, std::move(t));
     rec.rebound++;
   }
