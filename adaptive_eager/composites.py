@@ -49,6 +49,38 @@ def _tensor_split(self, indices, dim=0):
     return torch.ops.aten.tensor_split.indices(self, indices.tolist(), dim)
 
 
+def _ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, reduction=1,
+              zero_infinity=False):
+    # ``ctc_loss`` with tensor lengths reads them through ``data_ptr`` (Note [Reads inside
+    # composite ops]; found by the OpInfo sweep: garbage lengths under the hot path's key)
+    lengths = (input_lengths, target_lengths)
+    if any(_subclass_like(t) for t in (log_probs, targets, *lengths)):
+        return _ctc_loss_tensors(log_probs, targets, input_lengths, target_lengths, blank,
+                                 reduction, zero_infinity)
+    for t, name in zip(lengths, ("input_lengths", "target_lengths")):
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            raise RuntimeError(f"{name} must be integral")
+    il, tl = (t.to("cpu", torch.long).reshape(-1).tolist() for t in lengths)
+    return torch.ops.aten.ctc_loss.IntList(log_probs, targets, il, tl, blank, reduction,
+                                           zero_infinity)
+
+
+def _ctc_loss_tensors(log_probs, targets, input_lengths, target_lengths, blank, reduction,
+                      zero_infinity):
+    """ATen's path for tensor subclasses, where no length is read on the host."""
+    batched = log_probs.dim() == 3
+    lp = log_probs if batched else log_probs.unsqueeze(1)
+    res = torch.ops.aten._ctc_loss.Tensor(lp, targets.to(lp.device, torch.long), input_lengths,
+                                          target_lengths, blank, zero_infinity)[0]
+    if zero_infinity:
+        res = torch.where(res == float("inf"), res.new_zeros(()), res)
+    if reduction == 1:
+        return (res / target_lengths.clamp_min(1)).mean()
+    if reduction == 2:
+        return res.sum()
+    return res if batched else res.squeeze(0)
+
+
 # Note [Kernels that see the mode]: ATen's ``isTensorSubclassLike(t)`` is true for every
 # tensor while any dispatch mode is on the stack. ``linalg_svdvals``, ``linalg_eigvalsh`` and
 # ``linalg_eigvals`` use it to decide whether to compute the singular vectors or
@@ -105,6 +137,7 @@ def _linalg_eigvals(A):
 
 KERNELS = {
     "tensor_split.tensor_indices_or_sections": _tensor_split,
+    "ctc_loss.Tensor": _ctc_loss,
     "linalg_svdvals": _linalg_svdvals,
     "linalg_eigvalsh": _linalg_eigvalsh,
     "linalg_eigvals": _linalg_eigvals,

@@ -60,6 +60,8 @@ def _leaf(t, param, n_ext_before: int, spec, seen_new: dict, node=None):
     if tt is list or tt is tuple:
         if not any(type(y) in (Val, Ext, Rec, list, tuple) for y in t):
             return ("value", t)
+        if str(param.type) == "List[int]":  # sizes an external's view records per call
+            return ("ints", [_leaf(y, param, n_ext_before, spec, seen_new, node) for y in t])
         if str(param.type) != "List[Tensor]":
             raise _Python(f"a list of {param.type}")
         return ("tensors", [_leaf(y, param, n_ext_before, spec, seen_new, node) for y in t])

@@ -68,21 +68,11 @@ def same_outputs(spec: OpSpec, res) -> bool:
     return True
 
 
-# Ops whose result holds nothing specified: a tensor on its memory reads the same (nothing
-# specified) whether the op ran or not (Note [Memory of a value]).
-_UNSPECIFIED = frozenset((
-    torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
-    torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,
-    torch.ops.aten.new_empty_strided.default,
-))
-
-
 def register_outputs(S, spec: OpSpec, res) -> None:
     leaves = (res,) if spec.tree == "one" else () if spec.tree == "none" else tuple(res)
-    unspecified = spec.func in _UNSPECIFIED
     for o, t in zip(spec.outs, leaves):
         if o.kind == "fresh":
-            S.add_cold_fresh(t, unspecified)
+            S.add_cold_fresh(t)
         elif o.kind == "view":
             S.add_value(t)
         elif o.kind == "ext":

@@ -8,7 +8,8 @@ Every aten op the mode sees falls in one class:
 * ``SYNC``     returns a host value computed from data (``.item()``, ``equal``): a read.
 * ``BOUNDARY`` cannot be deferred or replayed safely: the segment is cut, the op runs eagerly,
                and the reason is counted.
-* ``IGNORE``   touches no tensor data (profiler ranges): runs as is, outside any segment.
+* ``IGNORE``   touches no tensor data (profiler ranges, and ops that compute nothing: Note
+               [Ops that compute nothing]): runs as is, outside any segment.
 
 The tables below hold the cases the schema does not tell (Note [Schema gaps]).
 """
@@ -73,6 +74,18 @@ _FLOAT_SHAPE_OPS = {
     "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa",
 }
 
+# Note [Ops that compute nothing]: ``empty`` and its kin make memory for the program to fill,
+# and it does not always fill it with an op: ``at::tensor(list)`` in a C++ composite
+# (``ctc_loss``'s target lengths) is ``empty`` and then a ``memcpy``. As a deferred value, the
+# replay read memory of its own that nothing had written (found by the OpInfo sweep:
+# ``ctc_loss`` divided by garbage). They run at once, outside any segment, and the tensor
+# enters as an external where an op first reads or writes it. Nothing may hold the result
+# when it returns: PyTorch's factories detach a result anyone else holds (``make_variable``),
+# so the program would get another tensor than the one the segment knows.
+# (tracer/csrc/hot_segment.cpp runs them at once too: ``runs_at_once``.)
+_IGNORE_BY_NAME = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided",
+                   "empty_permuted"}
+
 _NAMESPACES_DEFERRABLE = ("aten", "prims")
 _NAMESPACES_IGNORED = ("profiler",)
 
@@ -94,6 +107,8 @@ def _classify(func) -> OpInfo:
     name = schema.name.split("::")[-1]
     random = torch.Tag.nondeterministic_seeded in tags
     if ns in _NAMESPACES_IGNORED:
+        return OpInfo(OpClass.IGNORE)
+    if ns == "aten" and name in _IGNORE_BY_NAME:
         return OpInfo(OpClass.IGNORE)
     if ns not in _NAMESPACES_DEFERRABLE:
         reason = "collective" if "c10d" in ns else f"op outside aten ({ns})"

@@ -23,10 +23,8 @@ takes the twin for the value (``adopt``: the fast paths know values by identity)
 training step's backward stays in its segment. Any other new input on a value's memory (a
 view made with no op the engine sees, ``nn.Parameter`` of a part of a value) is learned as a
 boundary (``on_value_memory``, checked when the node is learned): the segment launches
-before it, every time. Values of ops whose result is unspecified (``empty`` and its kin, as
-a parameter is made before its initializer writes it) are left out of both: their memory
-holds nothing specified either way, and the parameter made of one outlives the segment as
-an external.
+before it, every time. Results of ops that compute nothing (``empty`` and its kin) are no
+values at all (Note [Ops that compute nothing] in tracer.optable).
 """
 
 from __future__ import annotations
@@ -205,12 +203,10 @@ class Segment:
         self.outw.append(_wref(t))
         self.stor.append(storage)
 
-    def add_cold_fresh(self, t, unspecified: bool = False) -> None:
-        """A fresh output of a cold op: tracked by a weak reference to its storage
-        (``unspecified``: of an op whose result holds nothing specified, like ``empty``)."""
+    def add_cold_fresh(self, t) -> None:
+        """A fresh output of a cold op: tracked by a weak reference to its storage."""
         self.cold_storage[len(self.outw)] = ref = storage.weak(t)
-        if not unspecified:
-            self.cold_idents[ref] = len(self.outw)
+        self.cold_idents[ref] = len(self.outw)
         self.add_value(t)
 
     def alive(self, i: int) -> bool:

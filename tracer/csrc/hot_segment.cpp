@@ -39,7 +39,7 @@ at::ScalarType dtype_of(py::handle obj) {
   return reinterpret_cast<THPDtype*>(obj.ptr())->scalar_type;
 }
 
-enum class K { Val, Ext, New, SameNew, Rec, Value, Default, Tensors };
+enum class K { Val, Ext, New, SameNew, Rec, Value, Default, Tensors, Ints };
 
 struct Check {
   K kind = K::Value;
@@ -49,7 +49,7 @@ struct Check {
   at::ScalarType dtype = at::kFloat;  // New: the metadata a new external must have
   std::vector<int64_t> sizes, strides;
   c10::Device device = c10::Device(c10::kCPU);
-  std::vector<Check> items;      // Tensors: a tensor list, element by element
+  std::vector<Check> items;      // Tensors, Ints: a list, element by element
   bool twin = false;             // Val: a fresh value, whose twin (dtype, sizes, strides,
   int64_t offset = 0;            // offset on its memory) is the value too
 };
@@ -122,7 +122,7 @@ struct State {
   Matching m;                                   // scratch of serve_from
   std::vector<c10::IValue> results;             // scratch of serve_from
   int64_t host_ops = 0;                         // ops run at once since (Plan::host)
-  int64_t ignored_ops = 0;                      // profiler ranges run at once since
+  int64_t ignored_ops = 0;                      // IGNORE ops (runs_at_once) run at once since
   std::unordered_set<c10::StorageImpl*> mem;    // the fresh values' storages (held weakly)
   std::vector<c10::StorageImpl*> val_mem;       // value i's storage: fresh ones (else null)
 };
@@ -245,6 +245,15 @@ bool check(const State& st, const Check& c, const c10::IValue& v, Matching& m) {
       if (list.size() != c.items.size()) return false;
       for (size_t j = 0; j < c.items.size(); j++)
         if (!check(st, c.items[j], c10::IValue(static_cast<at::Tensor>(list[j])), m)) return false;
+      return true;
+    }
+    case K::Ints: {
+      c10::IValue x = unwrapped(v);
+      if (!x.isIntList()) return false;
+      auto list = x.toIntList();
+      if (list.size() != c.items.size()) return false;
+      for (size_t j = 0; j < c.items.size(); j++)
+        if (!check(st, c.items[j], c10::IValue(static_cast<int64_t>(list[j])), m)) return false;
       return true;
     }
   }
@@ -468,8 +477,8 @@ Check to_check(py::handle spec, const c10::Argument& arg) {
     TORCH_CHECK(arg.default_value().has_value(), "hot plan: ", arg.name(), " has no default");
     c.kind = K::Default;
     c.value = *arg.default_value();
-  } else if (kind == "tensors") {
-    c.kind = K::Tensors;
+  } else if (kind == "tensors" || kind == "ints") {
+    c.kind = kind == "ints" ? K::Ints : K::Tensors;
     for (py::handle item : t[1].cast<py::list>()) c.items.push_back(to_check(item, arg));
   } else {
     TORCH_CHECK(false, "hot plan: no check of kind ", kind);
@@ -601,6 +610,16 @@ bool host_op(const State& st, const c10::OperatorHandle& op, const torch::jit::S
   return any;
 }
 
+// tracer/optable.py's IGNORE class: profiler ranges, and ops that compute nothing (Note [Ops
+// that compute nothing]): the mode runs them as they come, outside any segment.
+bool runs_at_once(const c10::OperatorHandle& op) {
+  static const std::unordered_set<std::string> nothing = {
+      "aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty",
+      "aten::new_empty_strided", "aten::empty_permuted"};
+  const std::string& name = op.schema().name();
+  return name.rfind("profiler::", 0) == 0 || nothing.count(name) > 0;
+}
+
 bool serve(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
   PyObject* mode = top_mode();
   if (mode == nullptr) return false;
@@ -612,7 +631,7 @@ bool serve(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::St
     st = found->second;
   }
   if (serve_from(st, op, ks, stack)) return true;
-  bool ignored = op.schema().name().rfind("profiler::", 0) == 0;  // tracer/optable.py: IGNORE
+  bool ignored = runs_at_once(op);
   if (ignored || host_op(*st, op, *stack)) {  // runs now, as the mode would run it
     (ignored ? st->ignored_ops : st->host_ops)++;
     KeyOff off;
