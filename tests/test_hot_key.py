@@ -490,3 +490,35 @@ def test_an_absent_optional_tensor_passed_undefined_is_served(monkeypatch):
     # per hot step the plan begins after the forward's sdpa (a random op: Python) and serves
     # the rest, sdpa's backward included, to the read that ends the segment
     assert plans == 3 and unexpected == 3 and served > 0
+
+
+def test_served_outputs_reuse_memory_the_program_let_go_and_never_what_it_holds(monkeypatch):
+    # Note [Output pool] (csrc/output_pool.cpp): a served cpu output's memory comes back to
+    # the pool when its storage is freed, and a later step's outputs take it from there;
+    # memory a tensor the program keeps still uses is never handed out again
+    import adaptive_eager as ae
+
+    monkeypatch.setenv("NEURON_ADAPTIVE_EAGER_HOT_PATH", "key")
+    x = torch.randn(256)
+
+    def step(keep):
+        y = x
+        for _ in range(8):
+            y = y * 1.5
+            keep.append(y)  # every output stays held
+            y = y + 0.25
+        return y.sum().item()
+
+    ref_kept = []
+    ref = [step(ref_kept) for _ in range(6)]
+    m = hot_key.load()
+    with ae.enabled(devices=("cpu",), backend="exact"):
+        kept = []
+        got = [step(kept) for _ in range(6)]
+        held = m.pool_held_bytes()
+        assert held > 0  # the dropped outputs (every ``y + 0.25`` but the last) came back
+        step([])  # takes its outputs from the pool, and gives them all back
+        assert m.pool_held_bytes() >= held
+    assert got == ref
+    assert all(torch.equal(a, b) for a, b in zip(kept, ref_kept))
+    assert len({t.data_ptr() for t in kept}) == len(kept)  # no two held tensors share memory

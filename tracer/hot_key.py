@@ -84,7 +84,8 @@ def load():
     """The built extension (built first if needed)."""
     global _module
     if _module is None:
-        _module = cpp_build.build("hot_key", [_CSRC / "hot_key.cpp", _CSRC / "hot_segment.cpp"],
+        sources = [_CSRC / "hot_key.cpp", _CSRC / "hot_segment.cpp", _CSRC / "output_pool.cpp"]
+        _module = cpp_build.build("hot_key", sources,
                                   headers=[_CSRC / "hot_segment.h"], who="adaptive_eager",
                                   what="the hot path's dispatch key",
                                   instead="set NEURON_ADAPTIVE_EAGER_HOT_PATH=python")

@@ -554,7 +554,7 @@ std::vector<int64_t> served() {
 }  // namespace
 
 at::Tensor allocate(const Result& r) {
-  if (r.device.is_cpu()) return at::detail::empty_strided_cpu(r.sizes, r.strides, r.dtype);
+  if (r.device.is_cpu()) return pooled_empty_strided(r.sizes, r.strides, r.dtype);
   KeyOff off;  // the device's own allocation, through the dispatcher
   return at::empty_strided(r.sizes, r.strides, at::TensorOptions().dtype(r.dtype).device(r.device));
 }
@@ -830,11 +830,19 @@ void take_over(PyObject* planner, PyObject* mode) {
   py::object seg = pair[1];
   int64_t serial = serial_of(seg.ptr());
   State* st = take(g_kept, mode);
-  if (st == nullptr || !st->seg.is(seg) || st->serial != serial) {
-    release(st);
+  if (st == nullptr) {
     st = new State();
+  }
+  if (!st->seg.is(seg) || st->serial != serial) {  // another segment: its tables, emptied
+    drop_served(st);                               // (their memory kept for the next)
     st->seg = seg;
     st->serial = serial;
+    st->n_rebound = 0;
+    st->vals.clear();
+    st->exts.clear();
+    st->known.clear();
+    st->mem.clear();
+    st->val_mem.clear();
   }
   st->plan = pair[0].cast<std::shared_ptr<Plan>>();
   try {
@@ -856,6 +864,7 @@ void bind(py::module_& m) {
   m.def("forget", [](py::handle mode) { forget(mode.ptr()); });
   m.def("serving", &serving);
   m.def("served", &served);
+  m.def("pool_held_bytes", &pool_held_bytes);
   py::module_ torch_mod = py::module_::import("torch");
   g_plain[0] = (PyTypeObject*)torch_mod.attr("Tensor").ptr();
   g_plain[1] = (PyTypeObject*)torch_mod.attr("nn").attr("Parameter").ptr();

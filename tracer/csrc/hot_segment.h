@@ -7,6 +7,12 @@
 
 namespace ae_hot {
 
+// A fresh cpu tensor on memory from the output pool (output_pool.cpp), and the bytes the
+// pool holds for reuse.
+at::Tensor pooled_empty_strided(c10::IntArrayRef sizes, c10::IntArrayRef strides,
+                                at::ScalarType dtype);
+int64_t pool_held_bytes();
+
 // The hot path's dispatch key (``Fake``: Note [Below the floor]).
 constexpr auto kKey = c10::DispatchKey::Fake;
 
