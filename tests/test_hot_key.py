@@ -522,3 +522,36 @@ def test_served_outputs_reuse_memory_the_program_let_go_and_never_what_it_holds(
     assert got == ref
     assert all(torch.equal(a, b) for a, b in zip(kept, ref_kept))
     assert len({t.data_ptr() for t in kept}) == len(kept)  # no two held tensors share memory
+
+
+def test_arguments_lent_to_the_plan_keep_their_reference_counts(monkeypatch):
+    # Note [Borrowed arguments] (csrc/hot_segment.h): our unboxed kernels lend the plan their
+    # tensor arguments uncounted; in-place ops return one of them. Every tensor's count is
+    # what it is in eager afterwards, and the ops were served.
+    import adaptive_eager as ae
+
+    monkeypatch.setenv("NEURON_ADAPTIVE_EAGER_HOT_PATH", "key")
+
+    def make():
+        torch.manual_seed(0)
+        return [torch.randn(32), torch.randn(32), torch.rand(32)]
+
+    def step(p, m, v):
+        g = p * 0.5 + 1.0
+        m.lerp_(g, 0.1)  # in place: the result is ``m`` itself
+        v.mul_(0.99).addcmul_(g, g, value=0.01)
+        p.addcdiv_(m, v.sqrt().add_(1e-8), value=-0.01)
+        return p.sum().item()
+
+    ref = make()
+    ref_out = [step(*ref) for _ in range(6)]
+    got = make()
+    counts = [t._use_count() for t in got]
+    m = hot_key.load()
+    with ae.enabled(devices=("cpu",), backend="exact"):
+        served = m.served()[0]
+        got_out = [step(*got) for _ in range(6)]
+        served = m.served()[0] - served
+    assert got_out == ref_out and all(torch.equal(a, b) for a, b in zip(got, ref))
+    assert [t._use_count() for t in got] == counts
+    assert served >= 3 * 8  # the hot steps' ops, lent

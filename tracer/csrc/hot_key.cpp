@@ -196,8 +196,9 @@ bool to_engine(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   return true;
 }
 
-void route(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
-  if (ae_hot::serve(op, ks, stack)) return;
+// ``route`` after the plan did not serve ``op``.
+void route_unserved(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
+                    torch::jit::Stack* stack) {
   ae_hot::hand_back_top();
   if (to_engine(op, stack)) return;
   auto below = ks.remove(kKey);
@@ -215,6 +216,59 @@ void route(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::St
   }
   ModeKeysOn on;
   op.redispatchBoxed(below.add(kPython).add(kSnapshot), stack);
+}
+
+void route(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  if (ae_hot::serve(op, ks, stack)) return;
+  route_unserved(op, ks, stack);
+}
+
+template <class T>
+bool same_tensor(const T& x, const c10::IValue& v) {
+  if constexpr (std::is_same_v<std::decay_t<T>, at::Tensor>) {
+    return x.defined() && v.isTensor() && v.toTensor().unsafeGetTensorImpl() == x.unsafeGetTensorImpl();
+  } else {
+    return false;
+  }
+}
+
+template <class T>
+void push_borrowed(torch::jit::Stack& stack, const T& x) {
+  if constexpr (std::is_same_v<std::decay_t<T>, at::Tensor>) {
+    stack.push_back(ae_hot::borrowed(x));
+  } else {
+    torch::jit::push(stack, x);
+  }
+}
+
+// ``Op`` routed with its tensor arguments borrowed (Note [Borrowed arguments]): its results on
+// ``stack``. True when the result may be a borrowed argument (served with them still lent).
+template <class Op, class... A>
+bool route_borrowed(c10::DispatchKeySet ks, torch::jit::Stack& stack, const A&... a) {
+  static const auto handle =
+      c10::Dispatcher::singleton().findSchemaOrThrow(Op::name, Op::overload_name);
+  stack.reserve(sizeof...(A));
+  (push_borrowed(stack, a), ...);
+  bool borrowed = true;
+  if (ae_hot::serve(handle, ks, &stack, &borrowed)) {
+    if (!borrowed) return false;
+    const c10::IValue& out = stack.back();  // a fresh result is no argument
+    bool is_arg = false;
+    ((is_arg = is_arg || same_tensor(a, out)), ...);
+    return is_arg;
+  }
+  if (borrowed) ae_hot::own(stack, sizeof...(A));
+  route_unserved(handle, ks, &stack);
+  return false;
+}
+
+template <class T>
+at::Tensor* written(T& x) {
+  if constexpr (std::is_same_v<T, at::Tensor>) {
+    return &x;
+  } else {
+    return nullptr;
+  }
 }
 
 template <class T>
@@ -248,16 +302,36 @@ struct Hot<Op, at::Tensor(A...)> {
       const at::Tensor& t = first_tensor(a...);
       return at::detail::empty_strided_cpu(t.sizes(), t.strides(), t.scalar_type());
     }
-    if (g_action == 3) {  // boxed, as the fallback routes every other op
-      static const auto handle =
-          c10::Dispatcher::singleton().findSchemaOrThrow(Op::name, Op::overload_name);
+    if (g_action == 3) {
       torch::jit::Stack stack;
-      torch::jit::push(stack, a...);
-      route(handle, ks, &stack);
-      return std::move(stack.back()).toTensor();
+      if (!route_borrowed<Op>(ks, stack, a...)) return std::move(stack.back()).toTensor();
+      at::Tensor out = stack.back().toTensor();  // one of the arguments: a reference of its own
+      ae_hot::unborrow(stack, 1);
+      return out;
     }
     KeyOff off;
     return Op::redispatch(ks.remove(kKey), a...);
+  }
+};
+
+// An in-place op (its result is its first argument that is not const): routed borrowed.
+template <class Op, class... A>
+struct Hot<Op, at::Tensor&(A...)> {
+  static at::Tensor& call(c10::DispatchKeySet ks, A... a) {
+    g_kernel_calls.fetch_add(1, std::memory_order_relaxed);
+    if (g_action != 3) {
+      KeyOff off;
+      return Op::redispatch(ks.remove(kKey), a...);
+    }
+    torch::jit::Stack stack;
+    bool lent = route_borrowed<Op>(ks, stack, a...);
+    at::Tensor* self = nullptr;
+    ((self = self ? self : written(a)), ...);
+    TORCH_CHECK(self != nullptr && stack.back().isTensor() &&
+                    stack.back().toTensor().unsafeGetTensorImpl() == self->unsafeGetTensorImpl(),
+                "adaptive_eager hot key: ", Op::name, " did not return its argument");
+    if (lent) ae_hot::unborrow(stack, 1);
+    return *self;
   }
 };
 
@@ -276,8 +350,12 @@ void boxed(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::St
   op.redispatchBoxed(ks.remove(kKey), stack);
 }
 
-// The ops with an unboxed kernel of ours (the prototype's: the chain benchmarks' ops)
-#define AE_HOT_OPS(X) X(add_Tensor) X(mul_Tensor)
+// The ops with an unboxed kernel of ours: their tensor arguments reach the plan borrowed (Note
+// [Borrowed arguments]); the workloads' elementwise, matmul, reduction and optimizer ops
+#define AE_HOT_OPS(X) X(add_Tensor) X(mul_Tensor) X(sub_Tensor) X(div_Tensor) \
+  X(add__Tensor) X(mul__Tensor) X(sub__Tensor) X(div__Tensor) X(lerp__Scalar) X(addcmul_) \
+  X(addcdiv_) X(sqrt) X(rsqrt) X(neg) X(exp) X(tanh) X(silu) X(mm) X(addmm) X(bmm) \
+  X(pow_Tensor_Scalar) X(mean_dim) X(sum_dim_IntList) X(_softmax)
 
 std::string op_name(const char* qualified, const char* overload) {
   std::string out(qualified + 6);  // past "aten::"

@@ -576,7 +576,15 @@ PyObject* top_mode() {
 }
 
 bool serve_from(State* st, const c10::OperatorHandle& op, c10::DispatchKeySet ks,
-                torch::jit::Stack* stack);
+                torch::jit::Stack* stack, bool* borrowed);
+
+// The op's arguments on ``stack`` made owning if they were borrowed (Note [Borrowed
+// arguments]): before anything that consumes them.
+void own_args(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool* borrowed) {
+  if (borrowed == nullptr || !*borrowed) return;
+  own(*stack, op.schema().arguments().size());
+  *borrowed = false;
+}
 
 // Would the mode run ``op`` at once, outside the segment (Plan::host)? Every tensor argument
 // on the cpu, plain; with Host::Scalars each a 0-dim tensor the segment does not know, alone
@@ -620,7 +628,8 @@ bool runs_at_once(const c10::OperatorHandle& op) {
   return name.rfind("profiler::", 0) == 0 || nothing.count(name) > 0;
 }
 
-bool serve(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+bool serve(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack,
+           bool* borrowed) {
   PyObject* mode = top_mode();
   if (mode == nullptr) return false;
   State* st = nullptr;
@@ -630,10 +639,11 @@ bool serve(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::St
     if (found == g_active.end()) return false;
     st = found->second;
   }
-  if (serve_from(st, op, ks, stack)) return true;
+  if (serve_from(st, op, ks, stack, borrowed)) return true;
   bool ignored = runs_at_once(op);
   if (ignored || host_op(*st, op, *stack)) {  // runs now, as the mode would run it
     (ignored ? st->ignored_ops : st->host_ops)++;
+    own_args(op, stack, borrowed);
     KeyOff off;
     op.redispatchBoxed(ks.remove(kKey), stack);
     return true;
@@ -644,7 +654,7 @@ bool serve(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::St
 
 // ``op`` served from ``st``'s plan, if it is what the plan expects next.
 bool serve_from(State* st, const c10::OperatorHandle& op, c10::DispatchKeySet ks,
-                torch::jit::Stack* stack) {
+                torch::jit::Stack* stack, bool* borrowed) {
   if (st->pos >= st->plan->steps.size()) return false;
   const Step& step = *st->plan->steps[st->pos];
   if (op != *step.op) return false;
@@ -670,6 +680,7 @@ bool serve_from(State* st, const c10::OperatorHandle& op, c10::DispatchKeySet ks
     return false;
   std::vector<at::Tensor> ext_outs;
   if (step.ext_view) {  // run it now and check what it made: a miss leaves the stack as it was
+    own_args(op, stack, borrowed);
     std::vector<c10::IValue> saved(args.begin(), args.end());
     {
       KeyOff off;
@@ -723,6 +734,7 @@ bool serve_from(State* st, const c10::OperatorHandle& op, c10::DispatchKeySet ks
     return true;
   }
   if (step.view) {  // run it now (a view: no data is touched); each result a value
+    own_args(op, stack, borrowed);
     {
       KeyOff off;
       op.redispatchBoxed(ks.remove(kKey), stack);
@@ -747,8 +759,10 @@ bool serve_from(State* st, const c10::OperatorHandle& op, c10::DispatchKeySet ks
       at::Tensor t = allocate(r);
       add_value(*st, rec, t, true);
       results.emplace_back(std::move(t));
-    } else if (r.kind == R::Alias) {
-      results.push_back(args[r.arg]);
+    } else if (r.kind == R::Alias) {  // borrowed as its argument is (the caller knows)
+      const c10::IValue& arg = args[r.arg];
+      bool lent = borrowed != nullptr && *borrowed && arg.isTensor();
+      results.push_back(lent ? ae_hot::borrowed(arg.toTensor()) : arg);
     } else if (r.undefined) {
       results.emplace_back(at::Tensor());
     } else {
@@ -758,7 +772,11 @@ bool serve_from(State* st, const c10::OperatorHandle& op, c10::DispatchKeySet ks
   st->served.push_back(rec);
   st->pos++;
   g_served.fetch_add(1, std::memory_order_relaxed);
-  torch::jit::drop(*stack, n);
+  if (borrowed != nullptr && *borrowed) {
+    unborrow(*stack, n);
+  } else {
+    torch::jit::drop(*stack, n);
+  }
   if (step.as_list) {
     std::vector<at::Tensor> list;
     for (auto& v : results) list.push_back(v.toTensor());
