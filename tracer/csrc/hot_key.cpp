@@ -35,6 +35,7 @@
 #include "hot_segment.h"
 
 #include <atomic>
+#include <exception>
 #include <mutex>
 #include <type_traits>
 #include <unordered_map>
@@ -250,6 +251,15 @@ bool route_borrowed(c10::DispatchKeySet ks, torch::jit::Stack& stack, const A&..
   stack.reserve(sizeof...(A));
   (push_borrowed(stack, a), ...);
   bool borrowed = true;
+  struct Unwinding {  // an error while they are lent: give them up uncounted, never drop them
+    torch::jit::Stack& stack;
+    const bool& borrowed;
+    int errors = std::uncaught_exceptions();
+    ~Unwinding() {
+      if (std::uncaught_exceptions() > errors && borrowed && stack.size() >= sizeof...(A))
+        ae_hot::unborrow(stack, sizeof...(A));
+    }
+  } unwinding{stack, borrowed};
   if (ae_hot::serve(handle, ks, &stack, &borrowed)) {
     if (!borrowed) return false;
     const c10::IValue& out = stack.back();  // a fresh result is no argument
