@@ -157,7 +157,9 @@ def explain():
     ``plot()``, ``to_records()``, ``to_csv(path)``."""
     from .report import collect
 
-    return collect(_engine())
+    engine = _engine()
+    engine.settle_here()
+    return collect(engine)
 
 
 def reset() -> None:

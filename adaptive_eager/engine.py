@@ -174,7 +174,15 @@ class Engine:
             m.boundary("synchronize")
         synchronize_all()
 
+    def settle_here(self) -> None:
+        """What this thread's plan served or ran at once, into its segment and counters
+        (tracer.hot_plan): a plan from the root may run ops at once before a segment starts."""
+        m = self.mode()
+        if m is not None:
+            m.settle()
+
     def stats(self):
+        self.settle_here()
         with self._lock:
             return snapshot(list(self.counters))
 

@@ -97,6 +97,7 @@ def _guard(engine, name, original):
         m = engine.mode()
         if m is None or m.paused:
             return original(self, *args, **kwargs)
+        m.settle()  # a plan may have started the segment hot (tracer.hot_plan)
         if m.seg.hot:
             m.boundary(reason)
         with m.pause():

@@ -137,9 +137,10 @@ def test_engine_under_key_learns_the_gradient_accumulation_it_replays(monkeypatc
 
 
 def test_hot_segment_is_served_below_the_floor_and_handed_back_at_the_read(monkeypatch):
-    # Under ``key`` a hot segment's ops after its first are served by the key's plan
-    # (tracer/hot_plan.py, csrc/hot_segment.cpp), not by the mode; the read that ends the
-    # step hands what was served back to the segment, which launches it as before.
+    # Under ``key`` a hot segment's ops are served by the key's plan (tracer/hot_plan.py,
+    # csrc/hot_segment.cpp), not by the mode, its first op too (a plan from the root, taken
+    # when the last segment ended); the read that ends the step hands what was served back
+    # to the segment, which launches it as before.
     import adaptive_eager as ae
 
     monkeypatch.setenv("NEURON_ADAPTIVE_EAGER_HOT_PATH", "key")
@@ -166,15 +167,38 @@ def test_hot_segment_is_served_below_the_floor_and_handed_back_at_the_read(monke
             got.append(step(i))
             if i == 3:
                 served, plans, _ = m.served()
-        s = ae.stats()
+        # the next step's plan, from the root, waits for its first op ...
+        assert m.serving()
         served, plans = m.served()[0] - served, m.served()[1] - plans
-        assert not m.serving()  # nothing held once the step's read launched it
+        s = ae.stats()  # ... until the engine's Python reads the segment
+        assert not m.serving()
     assert got == ref
     assert "diverged from the hot path" not in s.fallbacks
-    # steps 4..7: every op but the segment's first and the random op (a plan stops before
-    # it: random ops need Python) is served below the floor, by two plans a step: 17 of the
-    # 18 chain ops, then the mul and the sum
-    assert plans == 2 * 4 and served == 19 * 4
+    # steps 4..7: every op but the random op (a plan stops before it: random ops need
+    # Python) is served below the floor, by two plans a step: the 18 chain ops from the
+    # root, then the mul and the sum
+    assert plans == 2 * 4 and served == 20 * 4
+
+
+def test_a_read_guarded_in_python_sees_a_segment_a_plan_started(monkeypatch):
+    # A plan from the root starts the segment in C++; the segment is hot in Python only once
+    # it is handed back. A read the engine guards in Python (``tolist``) must hand it back
+    # before asking whether the segment is hot, or it reads the op's output before it ran.
+    import adaptive_eager as ae
+
+    monkeypatch.setenv("NEURON_ADAPTIVE_EAGER_HOT_PATH", "key")
+    x = torch.randn(5)
+
+    def step():
+        out = (x * 2 + 1).tolist()
+        torch.nonzero(x)  # a boundary op: the cold runs' segment ends here, not at tolist
+        return out
+
+    ref = step()
+    with ae.enabled(devices=("cpu",), backend="exact"):
+        got = [step() for _ in range(6)]
+        s = ae.stats()
+    assert got == [ref] * 6 and s.replays >= 3
 
 
 def test_plan_gives_autograd_the_undefined_gradients_it_expects(monkeypatch):
@@ -487,9 +511,12 @@ def test_an_absent_optional_tensor_passed_undefined_is_served(monkeypatch):
                 before = m.served()
             assert step() == ref
     served, plans, unexpected = (b - a for a, b in zip(before, m.served()))
-    # per hot step the plan begins after the forward's sdpa (a random op: Python) and serves
-    # the rest, sdpa's backward included, to the read that ends the segment
-    assert plans == 3 and unexpected == 3 and served > 0
+    # per hot step a plan (1) begins after the forward's sdpa (a random op: Python) and serves
+    # the rest, sdpa's backward included, to the read that ends the segment (unexpected: 1);
+    # the step's two other segments (a sum, then its read) start at the root: the second is
+    # served by the root's plan (2), whose read is unexpected (2), and the plan it leaves
+    # expects that sum again where the next step's sdpa comes (3, unexpected: 3)
+    assert plans == 3 * 3 and unexpected == 3 * 3 and served > 0
 
 
 def test_served_outputs_reuse_memory_the_program_let_go_and_never_what_it_holds(monkeypatch):

@@ -1,8 +1,9 @@
 """Plans: what a hot segment expects next, compiled for the dispatch key (csrc/hot_segment.cpp).
 
 With ``NEURON_ADAPTIVE_EAGER_HOT_PATH=key`` (the default; Note [Below the floor]), after the
-mode handled an op of a hot segment, the key asks ``plan(mode)`` for the ops the segment
-expects next: the trie nodes along ``hot_next`` from the segment's node, each compiled once
+mode handled an op of a hot segment, or ended a segment, the key asks ``plan(mode)`` for the
+ops the segment expects next (a plan from the trie's root starts the next segment hot at its
+first op, as ``Segment.start``: a step's first op needs no Python either): the trie nodes along ``hot_next`` from the segment's node, each compiled once
 into a ``Step`` (its checks per schema argument and its results, what the node's fast path
 checks and makes; a value's twin taken for the value, Note [Memory of a value]; a view op
 runs at once, as there, a view of an external checked by what it produces), up to the first
@@ -133,20 +134,30 @@ def plan(mode, module):
     """(the plan for what the mode's hot segment expects next, the segment), or None."""
     S = mode.seg
     start = S.node
-    if not S.hot or mode.paused or start is None or len(S.exts) != len(S.extw):
+    # a segment not begun yet is planned from the root: its first op starts it hot
+    starts = start is S.root and not S.hot and S.expect is not None
+    if (not S.hot and not starts) or mode.paused or start is None or len(S.exts) != len(S.extw):
         return None
+    # A plan is kept on its first node until the trie's hot marking changes (trie.epoch). The
+    # root's ``hot_next`` changes without that: a step of several segments takes another of
+    # the root's children at each, so the root keeps a plan per child it starts.
+    first = start.hot_next
     cached = start.plan
     if cached is None or cached[0] != trie.epoch:
+        cached = start.plan = (trie.epoch, {})
+    plans = cached[1]
+    built = plans.get(first, False)
+    if built is False:
         try:
-            built = _build(start, module, mode.devices)
+            built = _build(start, module, mode.devices, starts)
         except Exception as e:  # the program goes on through the mode, the reason counted
             mode.counters.fallback(f"no plan for the dispatch key ({type(e).__name__}: {e})")
             built = None
-        cached = start.plan = (trie.epoch, built)
-    return None if cached[1] is None else (cached[1], S)
+        plans[first] = built
+    return None if built is None else (built, S)
 
 
-def _build(start, module, devices):
+def _build(start, module, devices, starts=False):
     steps, nodes = [], []
     n = start.hot_next
     while n is not None and n.hot and not n.ends_here and not n.cut and len(steps) < _LONGEST:
@@ -161,4 +172,4 @@ def _build(start, module, devices):
     # what the plan runs at once when it does not expect it (Note [Host scalars], tracer.mode)
     host, counter = (_HOST_SCALARS, "ops_host") if "cpu" in devices else (_HOST_CPU,
                                                                           "ops_passthrough")
-    return module.make_plan(steps, tuple(nodes), host, counter)
+    return module.make_plan(steps, tuple(nodes), host, counter, starts)

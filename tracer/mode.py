@@ -192,7 +192,8 @@ class AdaptiveEagerMode(TorchDispatchMode):
         if child is not None and child.hot and (S.hot or node.depth == 0):
             if node.hot_next is not child:
                 node.hot_next = child
-                trie.changed()
+                if node.depth:  # plans pass below the root only (tracer.hot_plan)
+                    trie.changed()
             r = child.fast(args, kwargs, S)
             if r is MISS and S.n_same != n_same:
                 # a value's twin among the arguments (Note [Memory of a value])

@@ -9,6 +9,7 @@
 // one by one, and the engine goes on in Python.
 #include "hot_segment.h"
 
+#include <ATen/Context.h>
 #include <ATen/EmptyTensor.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/Dtype.h>
@@ -19,6 +20,7 @@
 #include <torch/csrc/jit/python/pybind_utils.h>
 
 #include <atomic>
+#include <chrono>
 #include <mutex>
 #include <optional>
 #include <unordered_map>
@@ -86,6 +88,7 @@ struct Plan {
   py::tuple nodes;               // the trie nodes, in order (S.node after each step)
   Host host = Host::None;
   py::object counter;            // the mode's counter of those ops' kind (a str)
+  bool starts = false;           // its first step starts the segment (from the trie's root)
 };
 
 // One served op, as the Python segment will record it: how many of each record it added to
@@ -123,6 +126,8 @@ struct State {
   std::vector<c10::IValue> results;             // scratch of serve_from
   int64_t host_ops = 0;                         // ops run at once since (Plan::host)
   int64_t ignored_ops = 0;                      // IGNORE ops (runs_at_once) run at once since
+  bool started = false;                         // a starting plan's first step was served,
+  double t0 = 0.0;                              // at this time.perf_counter()
   std::unordered_set<c10::StorageImpl*> mem;    // the fresh values' storages (held weakly)
   std::vector<c10::StorageImpl*> val_mem;       // value i's storage: fresh ones (else null)
 };
@@ -143,7 +148,13 @@ std::atomic<int64_t> g_served{0}, g_plans{0}, g_unexpected{0};
 PyTypeObject* g_plain[2] = {nullptr, nullptr};  // torch.Tensor, torch.nn.Parameter
 PyObject* g_dead = nullptr;                     // a weak reference to nothing
 PyObject *s_outw, *s_exts, *s_extw, *s_ids, *s_floats, *s_stor, *s_node, *s_expect,
-    *s_hot_next;
+    *s_hot_next, *s_hot, *s_t0;
+
+// What Python's time.perf_counter() reads (CLOCK_MONOTONIC, as steady_clock on Linux).
+double perf_counter() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
 
 bool same_ints(c10::IntArrayRef got, const std::vector<int64_t>& want) {
   return got.size() == want.size() && std::equal(got.begin(), got.end(), want.begin());
@@ -156,10 +167,12 @@ bool is_known(const State& st, Impl* impl) {
   return true;
 }
 
-// A plain tensor, as the fast path's ``type(v) in PLAIN`` (and nothing that dispatches to
-// Python on its own).
+// A plain tensor, as tracer.signature.is_plain and the fast path's check: of a type without a
+// ``__torch_dispatch__`` of its own (nothing that dispatches to Python), not quantized and not
+// a zero tensor (no memory: a gradient autograd knows to be zero).
 bool plain(const at::Tensor& t) {
-  if (t.key_set().has(c10::DispatchKey::Python)) return false;
+  if (t.key_set().has(c10::DispatchKey::Python) || t.is_quantized() || t._is_zerotensor())
+    return false;
   PyObject* obj = t.unsafeGetTensorImpl()->pyobj_slot()->load_pyobj();
   return obj == nullptr || Py_TYPE(obj) == g_plain[0] || Py_TYPE(obj) == g_plain[1];
 }
@@ -294,6 +307,12 @@ PyObject* to_python(const c10::IValue& v) {
 // The served ops into the Python segment, as their fast paths would have recorded them.
 void record(State& st) {
   PyObject* S = st.seg.ptr();
+  if (st.started) {  // as Segment.start: the segment is hot from its first op's time
+    st.started = false;
+    py::object t0 = py::reinterpret_steal<py::object>(PyFloat_FromDouble(st.t0));
+    if (!t0 || PyObject_SetAttr(S, s_hot, Py_True) != 0 || PyObject_SetAttr(S, s_t0, t0.ptr()) != 0)
+      throw python_error();
+  }
   py::object outw = py::reinterpret_steal<py::object>(attr(S, s_outw));
   py::object exts = py::reinterpret_steal<py::object>(attr(S, s_exts));
   py::object extw = py::reinterpret_steal<py::object>(attr(S, s_extw));
@@ -369,6 +388,7 @@ void record(State& st) {
 }
 
 void drop_served(State* st) {
+  st->started = false;
   for (auto& f : st->r_fresh)
     if (f.second != nullptr) c10::raw::weak_intrusive_ptr::decref(f.second);
   st->served.clear();
@@ -530,8 +550,10 @@ std::shared_ptr<Step> make_step(const std::string& name, const std::string& over
   return step;
 }
 
-std::shared_ptr<Plan> make_plan(py::list steps, py::tuple nodes, int host, py::object counter) {
+std::shared_ptr<Plan> make_plan(py::list steps, py::tuple nodes, int host, py::object counter,
+                                bool starts) {
   auto plan = std::make_shared<Plan>();
+  plan->starts = starts;
   TORCH_CHECK(host >= 0 && host <= 2, "hot plan: host ", host, " is not 0, 1 or 2");
   plan->host = static_cast<Host>(host);
   plan->counter = counter;
@@ -658,6 +680,9 @@ bool serve_from(State* st, const c10::OperatorHandle& op, c10::DispatchKeySet ks
   if (st->pos >= st->plan->steps.size()) return false;
   const Step& step = *st->plan->steps[st->pos];
   if (op != *step.op) return false;
+  bool starting = st->pos == 0 && st->plan->starts;
+  // Segment.start refuses under deterministic algorithms: the mode counts that fallback
+  if (starting && at::globalContext().deterministicAlgorithms()) return false;
   size_t n = step.args.size();
   auto args = torch::jit::last(*stack, n);
   Matching& m = st->m;
@@ -705,6 +730,10 @@ bool serve_from(State* st, const c10::OperatorHandle& op, c10::DispatchKeySet ks
     }
   }
   // It matches: record it and make its results, as its fast path does.
+  if (starting) {
+    st->started = true;
+    st->t0 = perf_counter();
+  }
   Served rec;
   for (auto& [i, t] : m.twins) {  // a dead value's twin: the value's tensor from now on
     rebind(*st, i, t);
@@ -891,9 +920,9 @@ void bind(py::module_& m) {
   g_dead = PyWeakref_NewRef(dummy.ptr(), nullptr);  // dead once ``dummy`` goes, below
   if (g_dead == nullptr) throw python_error();
   const char* names[] = {"outw", "exts", "extw", "ids", "floats", "stor", "node", "expect",
-                         "hot_next"};
+                         "hot_next", "hot", "t0"};
   PyObject** slots[] = {&s_outw, &s_exts, &s_extw, &s_ids, &s_floats, &s_stor, &s_node,
-                        &s_expect, &s_hot_next};
+                        &s_expect, &s_hot_next, &s_hot, &s_t0};
   for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
     *slots[i] = PyUnicode_InternFromString(names[i]);
 }
