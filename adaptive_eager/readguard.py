@@ -98,7 +98,12 @@ def _guard(engine, name, original):
         if m is None or m.paused:
             return original(self, *args, **kwargs)
         m.settle()  # a plan may have started the segment hot (tracer.hot_plan)
-        if m.seg.hot:
+        S = m.seg
+        # a hot segment launches first; a cold one ends where it will end hot, at a read of
+        # what it computed or wrote (Segment.involves), as a read the mode sees (``item``):
+        # else the path it learns runs on past the read, and a step whose only read is one of
+        # these never repeats a path
+        if S.hot or S.involves(self):
             m.boundary(reason)
         with m.pause():
             return original(self, *args, **kwargs)

@@ -201,6 +201,27 @@ def test_a_read_guarded_in_python_sees_a_segment_a_plan_started(monkeypatch):
     assert got == [ref] * 6 and s.replays >= 3
 
 
+@pytest.mark.parametrize("hot_path", ["key", "cpp"])
+def test_a_step_whose_only_read_is_tolist_goes_hot(monkeypatch, hot_path):
+    # a read the engine guards in Python ends a cold segment where it will end hot, as a
+    # read the mode sees does: before, the cold segment ran on past it into the next step,
+    # and the path it learned never repeated
+    import adaptive_eager as ae
+
+    monkeypatch.setenv("NEURON_ADAPTIVE_EAGER_HOT_PATH", hot_path)
+    x = torch.randn(5)
+
+    def step():
+        return (x * 2 + 1).tolist()
+
+    ref = step()
+    with ae.enabled(devices=("cpu",), backend="exact"):
+        got = [step() for _ in range(6)]
+        s = ae.stats()
+    assert got == [ref] * 6
+    assert s.replays >= 3 and s.boundaries.get("host read: .tolist()", 0) >= 5, s
+
+
 def test_plan_gives_autograd_the_undefined_gradients_it_expects(monkeypatch):
     # layer_norm's backward with the input needing no gradient returns an undefined tensor in
     # that place: a served op must hand autograd an undefined tensor there, not None
