@@ -393,9 +393,10 @@ def graph_for(mode, path: Path, live: tuple):
         counters.cache_hits += 1
         if debug >= 3:
             log.debug("cache hit graph%d %r", path.gid, key)
-        if graph.mutates_external and written_input_aliased(
-                graph.plan, seg.exts,
-                native.alias_groups if mode.config.hot_path != "python" else alias_groups):
+        if graph.mutates_external and (
+                native.written_input_aliased(graph.plan, seg.exts)
+                if mode.config.hot_path != "python" else
+                written_input_aliased(graph.plan, seg.exts, alias_groups)):
             counters.fallback("a written input aliases another input: replayed exactly")
             return None
         if 0.0 in variant[2] and not same_zero_signs(graph.spec_values, variant[2]):

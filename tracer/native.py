@@ -28,7 +28,7 @@ from adaptive_eager.scheduler.program import Ext, Rec, Val, _minimal
 from . import signature
 
 __all__ = ["alias_groups", "dispatcher", "live_values", "load", "make_fast", "pick_floats",
-           "release_weak"]
+           "release_weak", "written_input_aliased"]
 
 _CSRC = Path(__file__).with_name("csrc")
 _module = None
@@ -134,6 +134,11 @@ def dispatcher(mode, empty: dict):
 def alias_groups(tensors) -> tuple:
     """scheduler.program.alias_groups, compiled."""
     return load().alias_groups(tensors)
+
+
+def written_input_aliased(the_plan, exts, groups_of=None) -> bool:
+    """tracer.lifecycle.written_input_aliased, compiled."""
+    return load().written_input_aliased(exts, the_plan.ext_inputs, the_plan.mutated_inputs)
 
 
 def live_values(path, seg) -> tuple:
