@@ -35,7 +35,7 @@ from .program import Ext, OpFailed, interpret
 from .queues import queue_for
 from .userline import traceback_at
 
-__all__ = ["run", "live_values", "attribute", "mark", "CrosscheckError"]
+__all__ = ["run", "live_values", "attribute", "attribute_fused", "mark", "CrosscheckError"]
 
 log = logging.getLogger("adaptive_eager")
 _expired = torch.UntypedStorage._expired
@@ -174,10 +174,10 @@ def _run_fused(path, graph: Graph, inputs: list, recorded) -> None:
         with torch._C._AutoDispatchBelowADInplaceOrView():
             graph.run(inputs)
     except Exception as e:
-        raise _attribute_fused(path, recorded, e) from None
+        raise attribute_fused(path, recorded, e) from None
 
 
-def _attribute_fused(path, recorded, error: BaseException) -> BaseException:
+def attribute_fused(path, recorded, error: BaseException) -> BaseException:
     """Find the op eager would have failed at: replay the ops on copies of what they write.
 
     ``recorded`` is the launch's (externals, floats, generator state).
@@ -205,7 +205,7 @@ def _attribute_fused(path, recorded, error: BaseException) -> BaseException:
 # post-mortem (``%debug``) or an IDE shows is the line that issued the op, as in eager. The
 # frame is a stand-in: it has the line's file, number and function name (recorded when the
 # op was learned), not its local variables, which no longer exist at the sync. A fused graph
-# that fails is first replayed op by op on copies of what it writes (``_attribute_fused``) to
+# that fails is first replayed op by op on copies of what it writes (``attribute_fused``) to
 # find the op eager would have failed at.
 
 

@@ -166,7 +166,7 @@ def test_hot_segment_is_served_below_the_floor_and_handed_back_at_the_read(monke
             torch.manual_seed(i)
             got.append(step(i))
             if i == 3:
-                served, plans, _ = m.served()
+                served, plans = m.served()[:2]
         # the next step's plan, from the root, waits for its first op ...
         assert m.serving()
         served, plans = m.served()[0] - served, m.served()[1] - plans
@@ -334,7 +334,7 @@ def test_ops_a_plan_runs_at_once_are_counted_as_the_mode_counts_them(monkeypatch
                                                                      zip(before, after)]
 
     ref, ref_stats, _ = run("cpp")
-    got, stats, (served, plans, unexpected) = run("key")
+    got, stats, (served, plans, unexpected, _) = run("key")
     assert all(torch.equal(a, b) for a, b in zip(got, ref))
     assert _counters(stats) == _counters(ref_stats) and ref_stats.ops_host > 0
     # two segments a step (``optimizer.step()`` is a boundary), one plan each: the host ops
@@ -531,7 +531,7 @@ def test_an_absent_optional_tensor_passed_undefined_is_served(monkeypatch):
             if i == 3:
                 before = m.served()
             assert step() == ref
-    served, plans, unexpected = (b - a for a, b in zip(before, m.served()))
+    served, plans, unexpected, _ = (b - a for a, b in zip(before, m.served()))
     # per hot step a plan (1) begins after the forward's sdpa (a random op: Python) and serves
     # the rest, sdpa's backward included, to the read that ends the segment (unexpected: 1);
     # the step's two other segments (a sum, then its read) start at the root: the second is
@@ -603,3 +603,94 @@ def test_arguments_lent_to_the_plan_keep_their_reference_counts(monkeypatch):
     assert got_out == ref_out and all(torch.equal(a, b) for a, b in zip(got, ref))
     assert [t._use_count() for t in got] == counts
     assert served >= 3 * 8  # the hot steps' ops, lent
+
+
+def test_a_read_launches_the_fused_graph_below_the_floor(monkeypatch):
+    # Note [Launched below the floor] (csrc/hot_segment.h): a step served whole by a plan from
+    # the root launches its fused graph at its read in C++, counted as Python counts it; a
+    # step whose variant differs (a value kept alive, a specialized float changed) goes back
+    # to Python, and every result equals eager's
+    import adaptive_eager as ae
+    from tests.conftest import wait_compiles
+
+    monkeypatch.setenv("NEURON_ADAPTIVE_EAGER_HOT_PATH", "key")
+    torch.manual_seed(0)
+    x = torch.randn(64)
+
+    def step(scale=1.5, keep=False):
+        y = x
+        for _ in range(4):
+            y = y * scale + 0.25
+        total = y.sum()
+        kept = y if keep else None
+        del y
+        if total > -1e9:  # bool(): a read of a value (is_nonzero) ends the step's segment
+            out = total.item()
+        return (out, kept) if keep else out
+
+    plan = ["p"] * 3 + ["wait"] + ["p"] * 3 + ["keep", "p", "p", "scale", "p", "p"]
+    ref = []
+    for what in plan:
+        if what != "wait":
+            ref.append(step(scale=2.0 if what == "scale" else 1.5, keep=what == "keep"))
+    m = hot_key.load()
+    launched = []
+    with ae.enabled(devices=("cpu",), backend="inductor"):
+        got = []
+        for what in plan:
+            if what == "wait":
+                wait_compiles()
+                continue
+            before = m.served()[3]
+            got.append(step(scale=2.0 if what == "scale" else 1.5, keep=what == "keep"))
+            launched.append(m.served()[3] - before)
+        s = ae.stats()
+    for g, r in zip(got, ref):
+        if isinstance(r, tuple):
+            assert g[0] == pytest.approx(r[0], rel=1e-6) and torch.allclose(g[1], r[1])
+        else:
+            assert g == pytest.approx(r, rel=1e-6)
+    # one segment a step: three learn (the third an exact replay while the graph compiles),
+    # the fourth launches in Python and gives the path its launch at a read, then each step
+    # launches below the floor but the one that keeps y alive and the one whose float
+    # changed (other variants: Python launches them, the second compiling its own graph)
+    assert launched == [0, 0, 0, 0, 1, 1, 0, 1, 1, 0, 1, 1]
+    assert s.segments == 12 and s.replays == 10
+    assert s.replays == s.cache_hits + s.fallbacks["variant compiling: replayed exactly"]
+    assert s.replays == s.cache_hits + s.fallbacks.get("variant compiling: replayed exactly", 0)
+
+
+def test_a_fused_graph_raising_below_the_floor_names_the_op_eager_fails_at(monkeypatch):
+    # the graph a read launches below the floor raises: the segment goes back to Python, which
+    # finds the op eager would have failed at and its line (Note [Issuing frames]); the engine
+    # goes on, launching below the floor again
+    import torch.nn.functional as F
+
+    import adaptive_eager as ae
+    from tests.conftest import wait_compiles
+
+    monkeypatch.setenv("NEURON_ADAPTIVE_EAGER_HOT_PATH", "key")
+    table = torch.randn(10, 4)
+
+    def step(ids):
+        h = F.embedding(ids, table)  # the failing line
+        return (h * 2).sum()
+
+    line = step.__code__.co_firstlineno + 1
+    m = hot_key.load()
+    # made before: the engine sees a tensor's making (lift_fresh), which would start the step
+    ids, bad, good = torch.tensor([1, 2, 3]), torch.tensor([1, 2, 99]), torch.tensor([4, 5, 6])
+    with ae.enabled(devices=("cpu",), backend="inductor"):
+        for i in range(6):
+            if i == 3:
+                wait_compiles()
+            step(ids).item()
+        before = m.served()[3]
+        assert step(ids).item() == pytest.approx((F.embedding(ids, table) * 2).sum().item())
+        assert m.served()[3] == before + 1  # below the floor
+        with pytest.raises(IndexError) as info:
+            step(bad).item()
+        assert f"test_hot_key.py:{line}" in str(info.value)
+        for _ in range(2):  # the first one's first op reaches the mode, which plans the rest
+            assert step(good).item() == pytest.approx((F.embedding(good, table) * 2).sum().item())
+        assert m.served()[3] == before + 2

@@ -18,13 +18,18 @@ engine's Python touches the segment.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from adaptive_eager.scheduler.program import Ext, Rec, Val
 
-from . import native, trie
+from adaptive_eager.scheduler import launch as _launch
+from adaptive_eager.scheduler.queues import queue_for
 
-__all__ = ["plan", "step_of"]
+from . import lifecycle, native, trie
+
+__all__ = ["plan", "step_of", "fast_end"]
 
 _REC_KIND = {float: 0, int: 1, bool: 2}
 _LONGEST = 4096  # steps in one plan: the key asks again where one ends
@@ -173,3 +178,73 @@ def _build(start, module, devices, starts=False):
     host, counter = (_HOST_SCALARS, "ops_host") if "cpu" in devices else (_HOST_CPU,
                                                                           "ops_passthrough")
     return module.make_plan(steps, tuple(nodes), host, counter, starts)
+
+
+# ---------------------------------------------------------------- launches at a read
+
+# The host reads the key launches at (csrc/hot_segment.cpp: launch_at_read), by its number.
+_READ_OPS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default)
+
+
+def fast_end(mode, node, graph, live: tuple) -> None:
+    """Give the path ending at ``node`` a launch at a read below the floor (Note [Launched
+    below the floor], csrc/hot_segment.h), for the variant Python just launched: ``graph``
+    with the fresh values ``live`` alive. Only where the launch needs nothing Python does
+    around it: a synchronous queue on the host, no crosscheck, debugging or random ops."""
+    path = node.path
+    config = mode.config
+    if (path is None or path.end is not node or config.crosscheck or mode.debug
+            or graph.device.type != "cpu" or graph.plan is None or mode.seg.rng is not None):
+        return
+    queue = queue_for(path.device_type)
+    if queue.asynchronous or queue.host_views:
+        return
+    the_plan = graph.plan
+    node.fast_end = mode._keyed.make_fast_end(
+        list(path.fresh), list(live), [tuple(x) for x in the_plan.specialized],
+        tuple(graph.spec_values), [tuple(x) for x in the_plan.lifted],
+        list(the_plan.ext_inputs),
+        list(the_plan.mutated_inputs) if graph.mutates_external else [],
+        list(graph.live), len(path.specs), graph.run,
+        functools.partial(_ended, mode, node, graph))
+    mode.fast_ends.append(node)
+
+
+def _ended(mode, node, graph, seconds, read: int, extra):
+    """The bookkeeping of a launch at a read below the floor: what ``end_segment``,
+    ``graph_for`` and ``launch.run`` count for the same launch in Python, and the read. When
+    the graph raised (``seconds`` None, ``extra`` the error), the segment was handed back
+    first: returns the error to raise, attributed to the op eager would have failed at."""
+    c = mode.counters
+    path = node.path
+    reason = _read_reason(_READ_OPS[read])
+    c.cache_hits += 1
+    c.ops_deferred += len(path.specs)
+    c.replays += 1
+    path.replays += 1
+    path.last_fused = True
+    node.ends += 1
+    c.segments += 1
+    if seconds is None:
+        S = mode.seg
+        try:
+            return _launch.attribute_fused(path, (S.exts, S.floats, S.rng), extra)
+        finally:
+            S.reset()
+            c.boundary(reason, True)
+    host, passed, counter = extra
+    if host:
+        setattr(c, counter, getattr(c, counter) + host)
+    c.ops_passthrough += passed
+    lifecycle.after_end(mode, node, True, seconds)
+    c.boundary(reason, True)
+    c.ops_eager += 1  # the read
+    if mode.inbox:
+        lifecycle.install(mode)
+    return None
+
+
+def _read_reason(func):
+    from .mode import _read_reason as reason  # the mode imports this module
+
+    return reason(func)

@@ -367,6 +367,8 @@ def retire(mode, path: Path, reason: str) -> None:
     mode.counters.fallback(f"path retired: {reason}")
     if mode.debug >= 1:
         log.info("graph%d retired: %s", path.gid, reason)
+    if path.end is not None:
+        path.end.fast_end = None
     if was_hot:
         _unmark_hot(path.end)
 

@@ -109,6 +109,9 @@ class AdaptiveEagerMode(TorchDispatchMode):
         # segment.
         self._keyed = None
         self.settle = _nothing
+        for node in getattr(self, "fast_ends", ()):  # made under the old settings
+            node.fast_end = None
+        self.fast_ends: list = []  # the nodes given a launch below the floor (hot_plan)
         if config.hot_path == "key":
             from . import hot_key
 
@@ -306,7 +309,9 @@ class AdaptiveEagerMode(TorchDispatchMode):
         try:
             if was_hot:
                 _launch.mark(reason)
-                self._launch(node)
+                graph, live = self._launch(node)
+                if graph is not None and self._keyed is not None and node.fast_end is None:
+                    hot_plan.fast_end(self, node, graph, live)
             if node is not None and node.depth:
                 node.ends += 1
                 lifecycle.after_end(self, node, was_hot, time.perf_counter() - S.t0)
@@ -317,7 +322,9 @@ class AdaptiveEagerMode(TorchDispatchMode):
             if self.inbox:
                 lifecycle.install(self)
 
-    def _launch(self, node) -> None:
+    def _launch(self, node) -> tuple:
+        """Launch the segment along the path ending at ``node``: (the fused graph it ran, or
+        None for its exact replay, the fresh values alive)."""
         path = lifecycle.path_of(self, node)
         live = self.live_values(path, self.seg)
         graph = lifecycle.graph_for(self, path, live)
@@ -329,6 +336,7 @@ class AdaptiveEagerMode(TorchDispatchMode):
                                          self.counters)
         finally:
             self.paused -= 1
+        return graph, live
 
     # ------------------------------------------------------------------ outside dispatch
 
@@ -361,6 +369,9 @@ class AdaptiveEagerMode(TorchDispatchMode):
     def reset_state(self) -> None:
         """Forget the trie and the counters (ae.reset())."""
         self.settle()
+        for node in self.fast_ends:
+            node.fast_end = None
+        self.fast_ends = []
         self.root = new_root()
         self.seg = Segment(self, self.root)
         self.n_nodes = 0

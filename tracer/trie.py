@@ -31,7 +31,7 @@ def changed() -> None:
 class Node:
     __slots__ = (
         "parent", "depth", "key", "spec", "children", "visits", "ends", "hot_ends",
-        "hot_next", "ends_here", "fast", "step", "plan", "path", "n_ext", "n_vals", "blocked", "diverged",
+        "hot_next", "ends_here", "fast", "step", "plan", "fast_end", "path", "n_ext", "n_vals", "blocked", "diverged",
         "cut", "__weakref__",
     )
 
@@ -49,6 +49,7 @@ class Node:
         self.fast = None
         self.step = None  # its step for the dispatch key's plans (tracer.hot_plan): False if none
         self.plan = None  # (trie epoch, the plan of what follows it, or None)
+        self.fast_end = None  # its path's launch at a read, below the floor (tracer.hot_plan)
         self.path = None  # tracer.lifecycle.Path once segments end here
         self.n_ext = n_ext  # external inputs seen from the root through this op
         self.n_vals = n_vals  # segment values produced from the root through this op

@@ -97,12 +97,7 @@ std::unordered_map<PyObject*, Engaged> g_engaged;
 thread_local PyObject* t_mode = nullptr;  // the mode this thread engaged with
 PyObject* g_no_types = nullptr;
 
-constexpr c10::DispatchKeySet kAbovePython =
-    (c10::DispatchKeySet(c10::DispatchKeySet::FULL) ^
-     (c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kPython) | c10::DispatchKeySet(kPython)))
-        .remove(c10::DispatchKey::ZeroTensor)
-        .remove(c10::DispatchKey::Conjugate)
-        .remove(c10::DispatchKey::Negative);
+using ae_hot::kAbovePython;
 
 // An argument as the mode receives it from the Python key: dtypes, layouts and memory
 // formats (integers in an IValue) as their Python objects.
@@ -219,8 +214,32 @@ void route_unserved(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
   op.redispatchBoxed(below.add(kPython).add(kSnapshot), stack);
 }
 
+// After a launch below the floor (Note [Launched below the floor]): the plan for what follows.
+void replan() {
+  auto n = c10::impl::TorchDispatchModeTLS::stack_len();
+  if (n == 0) return;
+  PyObject* mode = c10::impl::TorchDispatchModeTLS::get_stack_at(n - 1)->ptr(getPyInterpreter());
+  PyObject* planner = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(g_engaged_mu);
+    auto found = g_engaged.find(mode);
+    if (found == g_engaged.end()) return;
+    planner = found->second.planner;
+  }
+  if (planner == nullptr) return;
+  torch::torch_dispatch_mode::StashTorchDispatchModeGuard stash;
+  c10::impl::ExcludeDispatchKeyGuard above(kAbovePython);
+  pybind11::gil_scoped_acquire gil;
+  pybind11::object hold = pybind11::reinterpret_borrow<pybind11::object>(planner);
+  ae_hot::take_over(planner, mode);
+}
+
 void route(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
   if (ae_hot::serve(op, ks, stack)) return;
+  if (ae_hot::launch_at_read(op, ks, stack)) {
+    replan();
+    return;
+  }
   route_unserved(op, ks, stack);
 }
 

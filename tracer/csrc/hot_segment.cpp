@@ -18,6 +18,11 @@
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
+#include <torch/csrc/profiler/orchestration/observer.h>
+#include <torch/csrc/utils/torch_dispatch_mode.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
 
 #include <atomic>
 #include <chrono>
@@ -143,8 +148,9 @@ struct State {
 std::mutex g_mu;
 std::unordered_map<PyObject*, State*> g_active, g_kept;
 
-// ops served, plans taken, ops a segment's plan did not expect (this process)
-std::atomic<int64_t> g_served{0}, g_plans{0}, g_unexpected{0};
+// ops served, plans taken, ops a segment's plan did not expect, launches at a read (Note
+// [Launched below the floor]) (this process)
+std::atomic<int64_t> g_served{0}, g_plans{0}, g_unexpected{0}, g_launched{0};
 PyTypeObject* g_plain[2] = {nullptr, nullptr};  // torch.Tensor, torch.nn.Parameter
 PyObject* g_dead = nullptr;                     // a weak reference to nothing
 PyObject *s_outw, *s_exts, *s_extw, *s_ids, *s_floats, *s_stor, *s_node, *s_expect,
@@ -563,14 +569,14 @@ std::shared_ptr<Plan> make_plan(py::list steps, py::tuple nodes, int host, py::o
   return plan;
 }
 
-// Does any segment hold a plan now; (ops served, plans taken, ops a plan did not expect) in
-// this process.
+// Does any segment hold a plan now; (ops served, plans taken, ops a plan did not expect,
+// launches at a read) in this process.
 bool serving() {
   std::lock_guard<std::mutex> lock(g_mu);
   return !g_active.empty();
 }
 std::vector<int64_t> served() {
-  return {g_served.load(), g_plans.load(), g_unexpected.load()};
+  return {g_served.load(), g_plans.load(), g_unexpected.load(), g_launched.load()};
 }
 
 }  // namespace
@@ -902,11 +908,227 @@ void take_over(PyObject* planner, PyObject* mode) {
   g_plans.fetch_add(1, std::memory_order_relaxed);
 }
 
+// ---------------------------------------------------------------- a read at the plan's end
+
+// Note [Launched below the floor] (hot_segment.h): what the launch of one path's fused graph
+// needs, made by tracer.lifecycle.fast_end from a launch Python made (its variant) and kept on
+// the path's last trie node (``Node.fast_end``) until the path retires or the engine is
+// configured anew.
+struct FastEnd {
+  std::vector<int64_t> fresh;       // the path's fresh values (Path.fresh), in order
+  std::vector<int64_t> live;        // those alive at the launch: the variant's
+  std::vector<std::pair<int64_t, int64_t>> specialized;  // (op, slot) of floats compiled in
+  std::vector<c10::IValue> spec_values;                  // and their values
+  std::vector<std::pair<int64_t, int64_t>> lifted;       // (op, slot) of the packed floats
+  std::vector<int64_t> ext_inputs;  // the graph's inputs: externals
+  std::vector<int64_t> mutated;     // positions in them the graph writes
+  std::vector<int64_t> targets;     // the values it writes (Graph.live), after the packed floats
+  size_t n_ops = 0;
+  py::object run;                   // Graph.run
+  py::object done;                  // the Python bookkeeping: done(seconds, read, host, passed)
+};
+
+c10::IValue number_of(py::handle x) {
+  if (PyBool_Check(x.ptr())) return c10::IValue(x.cast<bool>());
+  if (PyLong_Check(x.ptr())) return c10::IValue(x.cast<int64_t>());
+  return c10::IValue(x.cast<double>());
+}
+
+std::shared_ptr<FastEnd> make_fast_end(std::vector<int64_t> fresh, std::vector<int64_t> live,
+                                       std::vector<std::pair<int64_t, int64_t>> specialized,
+                                       py::tuple spec_values,
+                                       std::vector<std::pair<int64_t, int64_t>> lifted,
+                                       std::vector<int64_t> ext_inputs,
+                                       std::vector<int64_t> mutated, std::vector<int64_t> targets,
+                                       size_t n_ops, py::object run, py::object done) {
+  auto fe = std::make_shared<FastEnd>();
+  TORCH_CHECK(specialized.size() == spec_values.size(), "fast end: specialized floats differ");
+  fe->fresh = std::move(fresh);
+  fe->live = std::move(live);
+  fe->specialized = std::move(specialized);
+  for (py::handle x : spec_values) fe->spec_values.push_back(number_of(x));
+  fe->lifted = std::move(lifted);
+  fe->ext_inputs = std::move(ext_inputs);
+  fe->mutated = std::move(mutated);
+  fe->targets = std::move(targets);
+  fe->n_ops = n_ops;
+  fe->run = std::move(run);
+  fe->done = std::move(done);
+  return fe;
+}
+
+bool same_number(const c10::IValue& a, const c10::IValue& b) {
+  if (a.isDouble() && b.isDouble()) {
+    double x = a.toDouble(), y = b.toDouble();
+    return std::memcmp(&x, &y, sizeof x) == 0;  // bitwise: a sign of zero is a variant too
+  }
+  return same_kind(a, b) && a == b;
+}
+
+// Does a written input share memory with another input (tracer.lifecycle.written_input_aliased)?
+bool written_aliased(const FastEnd& fe, const std::vector<at::Tensor>& exts) {
+  if (fe.mutated.empty()) return false;
+  std::unordered_map<const void*, int> uses;
+  std::vector<const void*> keys(fe.ext_inputs.size(), nullptr);
+  for (size_t i = 0; i < fe.ext_inputs.size(); i++) {
+    const at::Tensor& t = exts[fe.ext_inputs[i]];
+    if (!t.has_storage() || t.storage().nbytes() == 0) continue;
+    keys[i] = t.storage().data();
+    uses[keys[i]]++;
+  }
+  for (int64_t i : fe.mutated)
+    if (keys[i] != nullptr && uses[keys[i]] > 1) return true;
+  return false;
+}
+
+// Empty ``st``'s tables for the next segment (the one served was launched).
+void segment_over(State* st) {
+  drop_served(st);
+  st->pos = 0;
+  st->n_rebound = 0;
+  st->vals.clear();
+  st->exts.clear();
+  st->known.clear();
+  st->mem.clear();
+  st->val_mem.clear();
+  st->host_ops = st->ignored_ops = 0;
+}
+
+bool launch_at_read(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
+                    torch::jit::Stack* stack) {
+  static const c10::OperatorName item("aten::_local_scalar_dense", ""),
+      nonzero("aten::is_nonzero", "");
+  const c10::OperatorName& name = op.operator_name();
+  int read = name == item ? 0 : name == nonzero ? 1 : -1;
+  if (read < 0 || stack->empty()) return false;
+  PyObject* mode = top_mode();
+  if (mode == nullptr) return false;
+  State* st = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    auto found = g_active.find(mode);
+    if (found == g_active.end()) return false;
+    st = found->second;
+  }
+  // a segment the plan served whole, from its first op: the tables hold nothing else
+  size_t n_ops = st->served.size();
+  if (!st->plan->starts || !st->started || n_ops == 0 || st->pos != st->plan->steps.size() ||
+      st->vals.size() != st->r_fresh.size() || st->exts.size() != st->r_new_exts.size() ||
+      !st->r_rebound.empty())
+    return false;
+  const c10::IValue& arg = stack->back();
+  if (!arg.isTensor()) return false;
+  auto known = st->known.find(arg.unsafeToTensorImpl());
+  if (known == st->known.end() || known->second < 0) return false;  // it reads no value
+  if (torch::profiler::impl::profilerEnabled()) return false;  // its ranges: Python's
+  py::gil_scoped_acquire gil;
+  PyObject* node = PyTuple_GET_ITEM(st->plan->nodes.ptr(), (Py_ssize_t)st->pos - 1);
+  py::object got = py::reinterpret_steal<py::object>(PyObject_GetAttrString(node, "fast_end"));
+  if (!got) throw python_error();
+  if (got.is_none()) return false;
+  std::shared_ptr<FastEnd> fe = got.cast<std::shared_ptr<FastEnd>>();
+  if (fe->n_ops != n_ops) return false;
+  // the variant: the same fresh values alive (Note [Liveness], scheduler/launch.py)
+  size_t j = 0;
+  for (int64_t i : fe->fresh) {
+    c10::StorageImpl* handle = (size_t)i < st->r_fresh.size() ? st->r_fresh[i].second : nullptr;
+    if (handle == nullptr || c10::raw::weak_intrusive_ptr::use_count(handle) == 0) continue;
+    if (j >= fe->live.size() || fe->live[j] != i) return false;
+    j++;
+  }
+  if (j != fe->live.size()) return false;
+  std::vector<at::Tensor> targets;
+  for (int64_t i : fe->targets) {
+    StrongTensor t = st->r_fresh[i].first.lock();
+    if (!t) return false;  // alive through a view only: Python makes it anew
+    targets.emplace_back(std::move(t));
+  }
+  // and the same floats compiled in
+  std::vector<size_t> first_rec(n_ops + 1, 0);
+  for (size_t k = 0; k < n_ops; k++) first_rec[k + 1] = first_rec[k] + st->served[k].recs;
+  auto rec_at = [&](const std::pair<int64_t, int64_t>& at) -> const c10::IValue* {
+    if (at.first < 0 || (size_t)at.first >= n_ops || at.second < 0 ||
+        (size_t)at.second >= st->served[at.first].recs)
+      return nullptr;
+    return &st->r_recs[first_rec[at.first] + at.second];
+  };
+  for (size_t k = 0; k < fe->specialized.size(); k++) {
+    const c10::IValue* v = rec_at(fe->specialized[k]);
+    if (v == nullptr || !same_number(*v, fe->spec_values[k])) return false;
+  }
+  const std::vector<at::Tensor>& exts = st->r_new_exts;
+  for (int64_t k : fe->ext_inputs)
+    if (k < 0 || (size_t)k >= exts.size()) return false;
+  if (written_aliased(*fe, exts)) return false;
+  // It is the variant: launch it, as scheduler.launch.run would on a synchronous queue.
+  size_t n_in = fe->ext_inputs.size() + (fe->lifted.empty() ? 0 : 1) + targets.size();
+  py::list inputs(n_in);
+  size_t at_in = 0;
+  auto put_in = [&](at::Tensor t) {
+    PyObject* obj = THPVariable_Wrap(std::move(t));
+    if (obj == nullptr) throw python_error();
+    PyList_SET_ITEM(inputs.ptr(), (Py_ssize_t)at_in++, obj);
+  };
+  for (int64_t k : fe->ext_inputs) put_in(exts[k]);
+  if (!fe->lifted.empty()) {
+    at::Tensor packed = at::detail::empty_cpu({(int64_t)fe->lifted.size()}, at::kDouble,
+                                              false, std::nullopt);
+    double* out = packed.mutable_data_ptr<double>();
+    for (size_t k = 0; k < fe->lifted.size(); k++) {
+      const c10::IValue* v = rec_at(fe->lifted[k]);
+      TORCH_CHECK(v != nullptr, "adaptive_eager: a lifted float the segment did not record");
+      out[k] = v->isDouble() ? v->toDouble() : v->isInt() ? (double)v->toInt() : (double)v->toBool();
+    }
+    put_in(std::move(packed));
+  }
+  for (at::Tensor& t : targets) put_in(std::move(t));
+  double seconds = 0.0;
+  {
+    // as the mode handles an op: off the stack, the keys above Python done; the graph's own
+    // reads (Inductor checks alignment through data_ptr) see the mode paused, as in _launch
+    torch::torch_dispatch_mode::StashTorchDispatchModeGuard stash;
+    c10::impl::ExcludeDispatchKeyGuard above(kAbovePython);
+    KeyOff off;
+    at::AutoDispatchBelowADInplaceOrView below;
+    py::object paused = py::reinterpret_steal<py::object>(PyObject_GetAttrString(mode, "paused"));
+    if (!paused) throw python_error();
+    int64_t was = paused.cast<int64_t>();
+    if (PyObject_SetAttrString(mode, "paused", py::int_(was + 1).ptr()) != 0) throw python_error();
+    PyObject* out = PyObject_CallOneArg(fe->run.ptr(), inputs.ptr());
+    if (PyObject_SetAttrString(mode, "paused", py::int_(was).ptr()) != 0) {
+      Py_XDECREF(out);
+      throw python_error();
+    }
+    if (out == nullptr) {
+      // the graph raised: Python's segment takes what was served and finds the op eager
+      // would have failed at (scheduler.launch.attribute_fused)
+      py::error_already_set error;
+      hand_back(mode);
+      py::object raised = fe->done(py::none(), read, error.value());
+      PyErr_SetObject((PyObject*)Py_TYPE(raised.ptr()), raised.ptr());
+      throw python_error();
+    }
+    Py_DECREF(out);
+    g_launched.fetch_add(1, std::memory_order_relaxed);
+    seconds = perf_counter() - st->t0;
+    int64_t host = st->host_ops, passed = st->ignored_ops;
+    segment_over(st);
+    fe->done(seconds, read, py::make_tuple(host, passed, st->plan->counter));
+  }
+  // the read itself, as the mode runs it (outside any segment)
+  torch::torch_dispatch_mode::StashTorchDispatchModeGuard stash;
+  KeyOff off;
+  op.redispatchBoxed(ks.remove(kKey), stack);
+  return true;
+}
+
 void bind(py::module_& m) {
   py::class_<Step, std::shared_ptr<Step>>(m, "Step");
   py::class_<Plan, std::shared_ptr<Plan>>(m, "Plan");
   m.def("make_step", &make_step);
   m.def("make_plan", &make_plan);
+  py::class_<FastEnd, std::shared_ptr<FastEnd>>(m, "FastEnd");
+  m.def("make_fast_end", &make_fast_end);
   m.def("hand_back", [](py::handle mode) { hand_back(mode.ptr()); });
   m.def("forget", [](py::handle mode) { forget(mode.ptr()); });
   m.def("serving", &serving);

@@ -16,6 +16,16 @@ int64_t pool_held_bytes();
 // The hot path's dispatch key (``Fake``: Note [Below the floor]).
 constexpr auto kKey = c10::DispatchKey::Fake;
 
+// The keys above Python, excluded while the engine handles an op as the Python key's fallback
+// would (autograd and the rest already done above).
+constexpr c10::DispatchKeySet kAbovePython =
+    (c10::DispatchKeySet(c10::DispatchKeySet::FULL) ^
+     (c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, c10::DispatchKey::Python) |
+      c10::DispatchKeySet(c10::DispatchKey::Python)))
+        .remove(c10::DispatchKey::ZeroTensor)
+        .remove(c10::DispatchKey::Conjugate)
+        .remove(c10::DispatchKey::Negative);
+
 // An op run below the key, and every op it calls, with the key off in the thread.
 struct KeyOff {
   bool was = c10::impl::tls_is_dispatch_key_included(kKey);
@@ -73,6 +83,15 @@ bool serve(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::St
 // Takes the interpreter lock when there is something to hand back.
 void hand_back(PyObject* mode);
 void hand_back_top();
+
+// Note [Launched below the floor]: ``op`` is a host read (``item()``, ``bool()``) of a value of
+// a segment the plan served whole from the trie's root to the end of a path whose fused graph
+// the segment's last Python launch ran (its ``fast_end``): launch that graph here, if the
+// segment's variant is the same (the same fresh outputs alive, the same specialized floats, no
+// written input aliased), then run the read, without handing the segment to Python. True when
+// it did (the read's result on ``stack``); false, with nothing changed, when anything differs.
+bool launch_at_read(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
+                    torch::jit::Stack* stack);
 
 // Hand back and drop what is kept for ``mode`` (it is disengaged).
 void forget(PyObject* mode);
