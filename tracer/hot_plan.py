@@ -6,8 +6,9 @@ ops the segment expects next (a plan from the trie's root starts the next segmen
 first op, as ``Segment.start``: a step's first op needs no Python either): the trie nodes along ``hot_next`` from the segment's node, each compiled once
 into a ``Step`` (its checks per schema argument and its results, what the node's fast path
 checks and makes; a value's twin taken for the value, Note [Memory of a value]; a view op
-runs at once, as there, a view of an external checked by what it produces), up to the first
-node that needs Python: a random op, an output ``empty_strided`` cannot make or on a device
+runs at once, as there, a view of an external checked by what it produces; a random op keeps
+the generator's state at the segment's first, as there), up to the first
+node that needs Python: an output ``empty_strided`` cannot make or on a device
 with an allocator in Python (the Python emulator), an argument of a kind not compiled, a
 node where the segment launches early (``ends_here``) or is cut. The key then serves those
 ops in C++, runs at once the ops the mode would run outside the segment (host scalars, cpu
@@ -78,8 +79,6 @@ def _leaf(t, param, n_ext_before: int, spec, seen_new: dict, node=None):
 
 def _describe(node):
     spec = node.spec
-    if spec.random:
-        raise _Python("a random op")
     if node.blocked:
         raise _Python("a blocked node")
     params = spec.func._schema.arguments
@@ -128,7 +127,7 @@ def step_of(node, module):
             schema = node.spec.func._schema
             step = module.make_step(schema.name, schema.overload_name, checks, outs,
                                     node.spec.n_floats, n_new, node.spec.default_dtype,
-                                    node.spec.view)
+                                    node.spec.view, node.spec.random)
         except (_Python, RuntimeError, TypeError, ValueError):
             step = False
         node.step = step
@@ -194,7 +193,10 @@ def fast_end(mode, node, graph, live: tuple) -> None:
     path = node.path
     config = mode.config
     if (path is None or path.end is not node or config.crosscheck or mode.debug
-            or graph.device.type != "cpu" or graph.plan is None or mode.seg.rng is not None):
+            or graph.device.type != "cpu" or graph.plan is None):
+        return
+    zeros = _zero_draws(path)
+    if zeros is None:
         return
     queue = queue_for(path.device_type)
     if queue.asynchronous or queue.host_views:
@@ -205,19 +207,44 @@ def fast_end(mode, node, graph, live: tuple) -> None:
         tuple(graph.spec_values), [tuple(x) for x in the_plan.lifted],
         list(the_plan.ext_inputs),
         list(the_plan.mutated_inputs) if graph.mutates_external else [],
-        list(graph.live), len(path.specs), graph.run,
+        list(graph.live), zeros,
+        [(m.dtype, list(m.shape), list(m.stride), m.offset)
+         for m in (path.val_meta[i] for i in graph.live)], len(path.specs), graph.run,
         functools.partial(_ended, mode, node, graph))
     mode.fast_ends.append(node)
 
 
-def _ended(mode, node, graph, seconds, read: int, extra):
-    """The bookkeeping of a launch at a read below the floor: what ``end_segment``,
-    ``graph_for`` and ``launch.run`` count for the same launch in Python, and the read. When
-    the graph raised (``seconds`` None, ``extra`` the error), the segment was handed back
-    first: returns the error to raise, attributed to the op eager would have failed at."""
+def _zero_draws(path):
+    """Where a launch of the path draws no random numbers: the recorded probabilities, as
+    (op, slot), that must be zero for it (attention's ``dropout_p=0.0`` is a recorded float),
+    or None where it always may draw (a random op other than a dropout-like one, or one whose
+    probability was learned nonzero). A launch that draws none needs no generator state."""
+    zeros = []
+    for n, spec in enumerate(path.specs):
+        if not spec.random:
+            continue
+        at = lifecycle.probability_arg(spec.func)
+        if at is None:
+            return None
+        i, name, default = at
+        p = spec.args[i] if i < len(spec.args) else spec.kwargs.get(name, default)
+        if type(p) is Rec:
+            zeros.append((n, p.j))
+        elif p:
+            return None
+    return zeros
+
+
+def _ended(mode, node, graph, seconds, why, extra):
+    """The bookkeeping of a launch below the floor: what ``end_segment``, ``graph_for`` and
+    ``launch.run`` count for the same launch in Python, and the read that ended it (``why`` a
+    number of ``_READ_OPS``; else the boundary's reason). When the graph raised (``seconds``
+    None, ``extra`` the error), the segment was handed back first: returns the error to raise,
+    attributed to the op eager would have failed at."""
     c = mode.counters
     path = node.path
-    reason = _read_reason(_READ_OPS[read])
+    read = type(why) is int
+    reason = _read_reason(_READ_OPS[why]) if read else why
     c.cache_hits += 1
     c.ops_deferred += len(path.specs)
     c.replays += 1
@@ -238,7 +265,7 @@ def _ended(mode, node, graph, seconds, read: int, extra):
     c.ops_passthrough += passed
     lifecycle.after_end(mode, node, True, seconds)
     c.boundary(reason, True)
-    c.ops_eager += 1  # the read
+    c.ops_eager += read  # the read
     if mode.inbox:
         lifecycle.install(mode)
     return None

@@ -135,7 +135,7 @@ class Path:
         """Do this run's random ops draw numbers? Dropout-like ops with p == 0 do not."""
         randoms = self._randoms
         if randoms is None:
-            randoms = self._randoms = [(n, s, _probability_arg(s.func)) for n, s in
+            randoms = self._randoms = [(n, s, probability_arg(s.func)) for n, s in
                                        enumerate(self.specs) if s.random]
         for n, spec, at in randoms:
             if at is None:
@@ -204,7 +204,7 @@ class Path:
         return hot <= ratio * statistics.median(self.cold_times)
 
 
-def _probability_arg(func):
+def probability_arg(func):
     """(position, name, default) of a dropout-like op's probability argument, else None.
 
     The default matters: PyTorch leaves out an argument passed at its default value

@@ -350,6 +350,13 @@ class AdaptiveEagerMode(TorchDispatchMode):
             yield
 
     def boundary(self, reason: str) -> None:
+        keyed = self._keyed
+        if keyed is not None and keyed.launch_served(self, reason):
+            # launched below the floor (tracer.hot_plan.fast_end); its plan is dropped (the
+            # boundary may be the engine's disabling or stepping aside): the next op reaches
+            # the mode, which takes the next one
+            keyed.hand_back(self)
+            return
         with self.outside():
             self.end_segment(reason)
 

@@ -81,6 +81,8 @@ struct Step {
   bool ext_view = false;         // a view of an external: its results are new externals (outs)
   int64_t n_recs = 0, n_new = 0;
   std::optional<at::ScalarType> default_dtype;  // a factory: the default dtype it was learned at
+  bool random = false;           // a random op: the segment keeps the generator's state at the
+                                 // first one (Segment.rng), its launch draws from it
 };
 
 // Which ops the plan lets run at once when it does not expect them (Note [Host scalars] in
@@ -131,6 +133,8 @@ struct State {
   std::vector<c10::IValue> results;             // scratch of serve_from
   int64_t host_ops = 0;                         // ops run at once since (Plan::host)
   int64_t ignored_ops = 0;                      // IGNORE ops (runs_at_once) run at once since
+  at::Tensor rng;                               // the generator's state at the first random
+  bool seg_rng = false;                         // op served (Segment.rng), if Python had none
   bool started = false;                         // a starting plan's first step was served,
   double t0 = 0.0;                              // at this time.perf_counter()
   std::unordered_set<c10::StorageImpl*> mem;    // the fresh values' storages (held weakly)
@@ -154,7 +158,7 @@ std::atomic<int64_t> g_served{0}, g_plans{0}, g_unexpected{0}, g_launched{0};
 PyTypeObject* g_plain[2] = {nullptr, nullptr};  // torch.Tensor, torch.nn.Parameter
 PyObject* g_dead = nullptr;                     // a weak reference to nothing
 PyObject *s_outw, *s_exts, *s_extw, *s_ids, *s_floats, *s_stor, *s_node, *s_expect,
-    *s_hot_next, *s_hot, *s_t0;
+    *s_hot_next, *s_hot, *s_t0, *s_rng;
 
 // What Python's time.perf_counter() reads (CLOCK_MONOTONIC, as steady_clock on Linux).
 double perf_counter() {
@@ -319,6 +323,14 @@ void record(State& st) {
     if (!t0 || PyObject_SetAttr(S, s_hot, Py_True) != 0 || PyObject_SetAttr(S, s_t0, t0.ptr()) != 0)
       throw python_error();
   }
+  if (st.rng.defined()) {  // the first random op's generator state, as its fast path keeps it
+    PyObject* obj = THPVariable_Wrap(std::move(st.rng));
+    st.rng = at::Tensor();
+    if (obj == nullptr) throw python_error();
+    int rc = PyObject_SetAttr(S, s_rng, obj);
+    Py_DECREF(obj);
+    if (rc != 0) throw python_error();
+  }
   py::object outw = py::reinterpret_steal<py::object>(attr(S, s_outw));
   py::object exts = py::reinterpret_steal<py::object>(attr(S, s_exts));
   py::object extw = py::reinterpret_steal<py::object>(attr(S, s_extw));
@@ -395,6 +407,7 @@ void record(State& st) {
 
 void drop_served(State* st) {
   st->started = false;
+  st->rng = at::Tensor();
   for (auto& f : st->r_fresh)
     if (f.second != nullptr) c10::raw::weak_intrusive_ptr::decref(f.second);
   st->served.clear();
@@ -428,6 +441,7 @@ void rebind(State& st, int64_t i, const at::Tensor& t) {
 // Python's values and externals from ``st``'s sizes on into its tables.
 void import_tail(State* st) {
   py::list outw = st->seg.attr("outw"), exts = st->seg.attr("exts"), stor = st->seg.attr("stor");
+  st->seg_rng = !st->seg.attr("rng").is_none();
   for (size_t i = st->vals.size(); i < (size_t)stor.size(); i++) {
     PyObject* handle = PyList_GET_ITEM(stor.ptr(), i);  // a weak storage handle, or None
     auto* impl = handle == Py_None ? nullptr
@@ -514,8 +528,9 @@ Check to_check(py::handle spec, const c10::Argument& arg) {
 
 std::shared_ptr<Step> make_step(const std::string& name, const std::string& overload,
                                 py::list args, py::list outs, int64_t n_recs, int64_t n_new,
-                                py::object default_dtype, bool view) {
+                                py::object default_dtype, bool view, bool random) {
   auto step = std::make_shared<Step>();
+  step->random = random;
   step->op = c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), overload.c_str());
   const auto& schema = step->op->schema();
   TORCH_CHECK(args.size() == schema.arguments().size(), "hot plan: ", name, " takes ",
@@ -740,6 +755,11 @@ bool serve_from(State* st, const c10::OperatorHandle& op, c10::DispatchKeySet ks
     st->started = true;
     st->t0 = perf_counter();
   }
+  if (step.random && !st->rng.defined() && !st->seg_rng) {  // as torch.get_rng_state()
+    at::Generator gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    st->rng = gen.get_state();
+  }
   Served rec;
   for (auto& [i, t] : m.twins) {  // a dead value's twin: the value's tensor from now on
     rebind(*st, i, t);
@@ -923,6 +943,14 @@ struct FastEnd {
   std::vector<int64_t> ext_inputs;  // the graph's inputs: externals
   std::vector<int64_t> mutated;     // positions in them the graph writes
   std::vector<int64_t> targets;     // the values it writes (Graph.live), after the packed floats
+  struct Meta {                     // and what each is (Meta.on_storage, scheduler/program.py)
+    at::ScalarType dtype;
+    std::vector<int64_t> sizes, strides;
+    int64_t offset;
+  };
+  std::vector<Meta> target_metas;
+  std::vector<std::pair<int64_t, int64_t>> zeros;  // (op, slot) of random ops' probabilities:
+                                                   // zero, the launch draws nothing
   size_t n_ops = 0;
   py::object run;                   // Graph.run
   py::object done;                  // the Python bookkeeping: done(seconds, read, host, passed)
@@ -940,8 +968,15 @@ std::shared_ptr<FastEnd> make_fast_end(std::vector<int64_t> fresh, std::vector<i
                                        std::vector<std::pair<int64_t, int64_t>> lifted,
                                        std::vector<int64_t> ext_inputs,
                                        std::vector<int64_t> mutated, std::vector<int64_t> targets,
-                                       size_t n_ops, py::object run, py::object done) {
+                                       std::vector<std::pair<int64_t, int64_t>> zeros,
+                                       py::list target_metas, size_t n_ops, py::object run,
+                                       py::object done) {
   auto fe = std::make_shared<FastEnd>();
+  for (py::handle m : target_metas) {
+    auto t = m.cast<py::tuple>();
+    fe->target_metas.push_back({dtype_of(t[0]), t[1].cast<std::vector<int64_t>>(),
+                                t[2].cast<std::vector<int64_t>>(), t[3].cast<int64_t>()});
+  }
   TORCH_CHECK(specialized.size() == spec_values.size(), "fast end: specialized floats differ");
   fe->fresh = std::move(fresh);
   fe->live = std::move(live);
@@ -951,6 +986,8 @@ std::shared_ptr<FastEnd> make_fast_end(std::vector<int64_t> fresh, std::vector<i
   fe->ext_inputs = std::move(ext_inputs);
   fe->mutated = std::move(mutated);
   fe->targets = std::move(targets);
+  TORCH_CHECK(fe->targets.size() == fe->target_metas.size(), "fast end: targets differ");
+  fe->zeros = std::move(zeros);
   fe->n_ops = n_ops;
   fe->run = std::move(run);
   fe->done = std::move(done);
@@ -992,56 +1029,69 @@ void segment_over(State* st) {
   st->mem.clear();
   st->val_mem.clear();
   st->host_ops = st->ignored_ops = 0;
+  st->seg_rng = false;
 }
 
-bool launch_at_read(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
-                    torch::jit::Stack* stack) {
-  static const c10::OperatorName item("aten::_local_scalar_dense", ""),
-      nonzero("aten::is_nonzero", "");
-  const c10::OperatorName& name = op.operator_name();
-  int read = name == item ? 0 : name == nonzero ? 1 : -1;
-  if (read < 0 || stack->empty()) return false;
-  PyObject* mode = top_mode();
-  if (mode == nullptr) return false;
-  State* st = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(g_mu);
-    auto found = g_active.find(mode);
-    if (found == g_active.end()) return false;
-    st = found->second;
-  }
+// The segment ``st`` of ``mode`` served whole, launched with its path's fused graph, if it is
+// that graph's variant (Note [Launched below the floor]); ``why``: the boundary's reason (a
+// read's number in tracer.hot_plan._READ_OPS). ``in_op``: called inside an op's dispatch (a read), where the
+// keys above Python are done, as in the mode's own handling. The interpreter lock held.
+// Why the last launch below the floor was refused (a test's and a profile's question).
+const char* g_refused = "";
+bool refuse(const char* why) {
+  g_refused = why;
+  return false;
+}
+
+bool launch_whole(PyObject* mode, State* st, py::object why, bool in_op) {
   // a segment the plan served whole, from its first op: the tables hold nothing else
   size_t n_ops = st->served.size();
-  if (!st->plan->starts || !st->started || n_ops == 0 || st->pos != st->plan->steps.size() ||
-      st->vals.size() != st->r_fresh.size() || st->exts.size() != st->r_new_exts.size() ||
-      !st->r_rebound.empty())
-    return false;
-  const c10::IValue& arg = stack->back();
-  if (!arg.isTensor()) return false;
-  auto known = st->known.find(arg.unsafeToTensorImpl());
-  if (known == st->known.end() || known->second < 0) return false;  // it reads no value
-  if (torch::profiler::impl::profilerEnabled()) return false;  // its ranges: Python's
-  py::gil_scoped_acquire gil;
+  if (!st->plan->starts || !st->started || n_ops == 0)
+    return refuse("not a segment the plan started");
+  if (st->pos != st->plan->steps.size()) return refuse("not at the plan's end");
+  if (st->vals.size() != st->r_fresh.size() || st->exts.size() != st->r_new_exts.size())
+    return refuse("values or externals from Python");
+  if (torch::profiler::impl::profilerEnabled()) return refuse("profiling");  // Python's ranges
   PyObject* node = PyTuple_GET_ITEM(st->plan->nodes.ptr(), (Py_ssize_t)st->pos - 1);
   py::object got = py::reinterpret_steal<py::object>(PyObject_GetAttrString(node, "fast_end"));
   if (!got) throw python_error();
-  if (got.is_none()) return false;
+  if (got.is_none()) return refuse("no launch at its end");
   std::shared_ptr<FastEnd> fe = got.cast<std::shared_ptr<FastEnd>>();
-  if (fe->n_ops != n_ops) return false;
-  // the variant: the same fresh values alive (Note [Liveness], scheduler/launch.py)
+  if (fe->n_ops != n_ops) return refuse("another path");
+  // the variant: the same fresh values alive (Note [Liveness], scheduler/launch.py). The
+  // twins the plan took for values (Note [Memory of a value]) it holds itself until the
+  // hand-back, where only a weak reference keeps them: a twin nothing else holds is no use.
+  std::unordered_map<c10::StorageImpl*, size_t> ours;
+  for (const auto& r : st->r_rebound)
+    if (r.second.defined() && r.second.use_count() == 1 && r.second.has_storage())
+      ours[r.second.storage().unsafeGetStorageImpl()]++;
   size_t j = 0;
   for (int64_t i : fe->fresh) {
     c10::StorageImpl* handle = (size_t)i < st->r_fresh.size() ? st->r_fresh[i].second : nullptr;
-    if (handle == nullptr || c10::raw::weak_intrusive_ptr::use_count(handle) == 0) continue;
-    if (j >= fe->live.size() || fe->live[j] != i) return false;
+    if (handle == nullptr) continue;
+    size_t uses = c10::raw::weak_intrusive_ptr::use_count(handle);
+    auto held = ours.find(handle);
+    if (uses == 0 || (held != ours.end() && uses <= held->second)) continue;
+    if (j >= fe->live.size() || fe->live[j] != i) return refuse("other values alive");
     j++;
   }
-  if (j != fe->live.size()) return false;
+  if (j != fe->live.size()) return refuse("other values alive");
   std::vector<at::Tensor> targets;
-  for (int64_t i : fe->targets) {
-    StrongTensor t = st->r_fresh[i].first.lock();
-    if (!t) return false;  // alive through a view only: Python makes it anew
-    targets.emplace_back(std::move(t));
+  for (size_t k = 0; k < fe->targets.size(); k++) {
+    int64_t i = fe->targets[k];
+    StrongTensor t = st->vals[i].lock();  // the value's tensor, or its twin
+    if (t) {
+      targets.emplace_back(std::move(t));
+      continue;
+    }
+    // alive through a view only: a tensor as the value on its memory (scheduler.launch._target)
+    auto memory = c10::weak_intrusive_ptr<c10::StorageImpl>::reclaim_copy(st->r_fresh[i].second).lock();
+    if (!memory) return refuse("a value that died");
+    const FastEnd::Meta& m = fe->target_metas[k];
+    at::Tensor made = at::detail::empty_cpu({0}, m.dtype, false, std::nullopt);
+    made.unsafeGetTensorImpl()->set_storage_keep_dtype(c10::Storage(std::move(memory)));
+    made.unsafeGetTensorImpl()->set_sizes_and_strides(m.sizes, m.strides, m.offset);
+    targets.push_back(std::move(made));
   }
   // and the same floats compiled in
   std::vector<size_t> first_rec(n_ops + 1, 0);
@@ -1054,12 +1104,18 @@ bool launch_at_read(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
   };
   for (size_t k = 0; k < fe->specialized.size(); k++) {
     const c10::IValue* v = rec_at(fe->specialized[k]);
-    if (v == nullptr || !same_number(*v, fe->spec_values[k])) return false;
+    if (v == nullptr || !same_number(*v, fe->spec_values[k])) return refuse("another float");
+  }
+  for (const auto& at : fe->zeros) {  // random ops that draw nothing (else Python's launch)
+    const c10::IValue* v = rec_at(at);
+    if (v == nullptr || !(v->isDouble() ? v->toDouble() == 0.0
+                                        : v->isInt() ? v->toInt() == 0 : !v->toBool()))
+      return refuse("random numbers drawn");
   }
   const std::vector<at::Tensor>& exts = st->r_new_exts;
   for (int64_t k : fe->ext_inputs)
-    if (k < 0 || (size_t)k >= exts.size()) return false;
-  if (written_aliased(*fe, exts)) return false;
+    if (k < 0 || (size_t)k >= exts.size()) return refuse("another path");
+  if (written_aliased(*fe, exts)) return refuse("a written input aliased");
   // It is the variant: launch it, as scheduler.launch.run would on a synchronous queue.
   size_t n_in = fe->ext_inputs.size() + (fe->lifted.empty() ? 0 : 1) + targets.size();
   py::list inputs(n_in);
@@ -1087,7 +1143,7 @@ bool launch_at_read(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
     // as the mode handles an op: off the stack, the keys above Python done; the graph's own
     // reads (Inductor checks alignment through data_ptr) see the mode paused, as in _launch
     torch::torch_dispatch_mode::StashTorchDispatchModeGuard stash;
-    c10::impl::ExcludeDispatchKeyGuard above(kAbovePython);
+    c10::impl::ExcludeDispatchKeyGuard above(in_op ? kAbovePython : c10::DispatchKeySet());
     KeyOff off;
     at::AutoDispatchBelowADInplaceOrView below;
     py::object paused = py::reinterpret_steal<py::object>(PyObject_GetAttrString(mode, "paused"));
@@ -1104,7 +1160,7 @@ bool launch_at_read(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
       // would have failed at (scheduler.launch.attribute_fused)
       py::error_already_set error;
       hand_back(mode);
-      py::object raised = fe->done(py::none(), read, error.value());
+      py::object raised = fe->done(py::none(), why, error.value());
       PyErr_SetObject((PyObject*)Py_TYPE(raised.ptr()), raised.ptr());
       throw python_error();
     }
@@ -1113,13 +1169,53 @@ bool launch_at_read(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
     seconds = perf_counter() - st->t0;
     int64_t host = st->host_ops, passed = st->ignored_ops;
     segment_over(st);
-    fe->done(seconds, read, py::make_tuple(host, passed, st->plan->counter));
+    fe->done(seconds, why, py::make_tuple(host, passed, st->plan->counter));
+  }
+  return true;
+}
+
+bool launch_at_read(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
+                    torch::jit::Stack* stack) {
+  static const c10::OperatorName item("aten::_local_scalar_dense", ""),
+      nonzero("aten::is_nonzero", "");
+  const c10::OperatorName& name = op.operator_name();
+  int read = name == item ? 0 : name == nonzero ? 1 : -1;
+  if (read < 0 || stack->empty()) return false;
+  PyObject* mode = top_mode();
+  if (mode == nullptr) return false;
+  State* st = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    auto found = g_active.find(mode);
+    if (found == g_active.end()) return false;
+    st = found->second;
+  }
+  const c10::IValue& arg = stack->back();
+  if (!arg.isTensor() || !st->started) return false;
+  auto known = st->known.find(arg.unsafeToTensorImpl());
+  if (known == st->known.end() || known->second < 0) return false;  // it reads no value
+  {
+    py::gil_scoped_acquire gil;
+    if (!launch_whole(mode, st, py::int_(read), true)) return false;
   }
   // the read itself, as the mode runs it (outside any segment)
   torch::torch_dispatch_mode::StashTorchDispatchModeGuard stash;
   KeyOff off;
   op.redispatchBoxed(ks.remove(kKey), stack);
   return true;
+}
+
+bool launch_served(py::handle mode_obj, py::str why) {
+  PyObject* mode = mode_obj.ptr();
+  if (top_mode() != mode) return false;
+  State* st = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    auto found = g_active.find(mode);
+    if (found == g_active.end()) return false;
+    st = found->second;
+  }
+  return launch_whole(mode, st, why, false);
 }
 
 void bind(py::module_& m) {
@@ -1129,6 +1225,8 @@ void bind(py::module_& m) {
   m.def("make_plan", &make_plan);
   py::class_<FastEnd, std::shared_ptr<FastEnd>>(m, "FastEnd");
   m.def("make_fast_end", &make_fast_end);
+  m.def("launch_served", &launch_served);
+  m.def("refused", []() { return std::string(g_refused); });
   m.def("hand_back", [](py::handle mode) { hand_back(mode.ptr()); });
   m.def("forget", [](py::handle mode) { forget(mode.ptr()); });
   m.def("serving", &serving);
@@ -1142,9 +1240,9 @@ void bind(py::module_& m) {
   g_dead = PyWeakref_NewRef(dummy.ptr(), nullptr);  // dead once ``dummy`` goes, below
   if (g_dead == nullptr) throw python_error();
   const char* names[] = {"outw", "exts", "extw", "ids", "floats", "stor", "node", "expect",
-                         "hot_next", "hot", "t0"};
+                         "hot_next", "hot", "t0", "rng"};
   PyObject** slots[] = {&s_outw, &s_exts, &s_extw, &s_ids, &s_floats, &s_stor, &s_node,
-                        &s_expect, &s_hot_next, &s_hot, &s_t0};
+                        &s_expect, &s_hot_next, &s_hot, &s_t0, &s_rng};
   for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
     *slots[i] = PyUnicode_InternFromString(names[i]);
 }

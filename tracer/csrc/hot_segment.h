@@ -93,6 +93,10 @@ void hand_back_top();
 bool launch_at_read(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
                     torch::jit::Stack* stack);
 
+// The same launch at any other boundary the engine's Python meets outside an op
+// (``ae.synchronize()``, say): ``launch_served(mode, reason)`` in tracer/hot_key.py's module,
+// after which the caller drops the plan (``hand_back``).
+
 // Hand back and drop what is kept for ``mode`` (it is disengaged).
 void forget(PyObject* mode);
 
