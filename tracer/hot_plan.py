@@ -189,7 +189,8 @@ def fast_end(mode, node, graph, live: tuple) -> None:
     """Give the path ending at ``node`` a launch at a read below the floor (Note [Launched
     below the floor], csrc/hot_segment.h), for the variant Python just launched: ``graph``
     with the fresh values ``live`` alive. Only where the launch needs nothing Python does
-    around it: a synchronous queue on the host, no crosscheck, debugging or random ops."""
+    around it: a synchronous queue on the host, no crosscheck, debugging or random op that
+    may draw."""
     path = node.path
     config = mode.config
     if (path is None or path.end is not node or config.crosscheck or mode.debug
