@@ -196,11 +196,13 @@ def fast_end(mode, node, graph, live: tuple) -> None:
     if (path is None or path.end is not node or config.crosscheck or mode.debug
             or graph.device.type != "cpu" or graph.plan is None):
         return
-    zeros = _zero_draws(path)
-    if zeros is None:
-        return
     queue = queue_for(path.device_type)
     if queue.asynchronous or queue.host_views:
+        return
+    if path.zero_draws is None:  # the path's ops do not change: asked once
+        path.zero_draws = (_zero_draws(path),)
+    zeros = path.zero_draws[0]
+    if zeros is None:
         return
     the_plan = graph.plan
     node.fast_end = mode._keyed.make_fast_end(

@@ -123,6 +123,7 @@ class Path:
         self.replays = 0
         self.gid = 0
         self._randoms = None  # (op index, spec, probability argument) of its random ops
+        self.zero_draws = None  # (tracer.hot_plan._zero_draws's answer,), once
 
     def __repr__(self):
         return f"Path({len(self.specs)} ops, {self.state}, {self.backend})"
