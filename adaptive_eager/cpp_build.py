@@ -9,6 +9,7 @@ compiler or ninja the error is one line naming what to install, and what to set 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -18,17 +19,33 @@ from pathlib import Path
 
 import torch
 
+try:
+    import fcntl
+except ImportError:  # Windows: torch's own lock file alone
+    fcntl = None
+
 __all__ = ["build", "build_dir"]
 
+# Note [One build directory per checkout]: ninja rebuilds an object whose command line
+# changed, and the command names the sources' and torch's headers' absolute paths. Two
+# checkouts of the same sources (a clone in a temporary directory running the test suite, a
+# second virtual environment with the same torch) that shared one build directory rebuilt
+# each other's library in turn, each replacing the file the other had loaded; a compile
+# process starting in between waited minutes for the build at its low priority and no fused
+# graph arrived (measured: neuron llama-train replayed exactly for 300 s while a test
+# suite ran from another checkout). So the directory is keyed by those paths too.
 _lock = threading.Lock()
 _loaded: dict = {}  # build directory -> the loaded extension
 
 
 def build_dir(name: str, files) -> Path:
-    """Where ``name`` is built: keyed by torch's version and its files' contents."""
+    """Where ``name`` is built: keyed by torch's version, its files' contents and where they
+    and torch are (Note [One build directory per checkout])."""
     digest = hashlib.sha256()
     for f in sorted(files, key=lambda p: Path(p).name):
         digest.update(Path(f).read_bytes())
+        digest.update(str(Path(f).resolve()).encode())
+    digest.update(str(Path(torch.__file__).resolve().parent).encode())
     root = os.environ.get("NEURON_EMULATOR_BUILD_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "adaptive_eager")
     return Path(root) / f"{name}-{torch.__version__}-{digest.hexdigest()[:12]}"
@@ -68,7 +85,30 @@ def build(name: str, sources, headers=(), *, who: str, what: str, instead: str):
             if not built:
                 print(f"{who}: building {what} once into {where} (a minute or two)",
                       file=sys.stderr, flush=True)
-            module = _loaded[where] = cpp_extension.load(
-                name=f"adaptive_eager_{name}", sources=sources, build_directory=str(where),
-                extra_cflags=["-O2", "-std=c++17"], verbose=False)
+            with _held(where):
+                module = _loaded[where] = cpp_extension.load(
+                    name=f"adaptive_eager_{name}", sources=sources, build_directory=str(where),
+                    extra_cflags=["-O2", "-std=c++17"], verbose=False)
         return module
+
+
+# Note [A build killed midway]: torch's extension builder marks a build in progress with a
+# ``lock`` file in the build directory and every other process waits, polling, until the file
+# is gone; a process killed while building (Ctrl-C during the first build, a compile process
+# the engine ends) leaves the file behind, and every later process then waited forever
+# (measured: a test suite hung 20 minutes at its first compile). So builds also take an OS
+# lock on ``build.lock`` beside it, which the system releases when its holder dies; whoever
+# holds that lock knows no build is running and removes a ``lock`` file left behind.
+@contextlib.contextmanager
+def _held(where: Path):
+    with open(where / "build.lock", "a") as f:
+        if fcntl is not None:
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            stale = where / "lock"
+            if fcntl is not None and stale.exists():
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            if fcntl is not None:
+                fcntl.flock(f, fcntl.LOCK_UN)

@@ -147,6 +147,42 @@ def test_without_a_compiler_the_error_names_the_setting(monkeypatch):
     assert "\n" not in str(e.value) and "/nonexistent/c++" in str(e.value)
 
 
+def test_two_checkouts_of_the_same_sources_build_apart(tmp_path):
+    """Note [One build directory per checkout]: the same sources at two paths (a second clone,
+    a test suite's temporary checkout) would rebuild each other's library in one directory."""
+    a, b = tmp_path / "a" / "x.cpp", tmp_path / "b" / "x.cpp"
+    for f in (a, b):
+        f.parent.mkdir()
+        f.write_text("int x;\n")
+    assert cpp_build.build_dir("probe", [a]) != cpp_build.build_dir("probe", [b])
+    before = cpp_build.build_dir("probe", [a])
+    assert cpp_build.build_dir("probe", [a]) == before
+    a.write_text("int y;\n")  # and, as before, keyed by the contents
+    assert cpp_build.build_dir("probe", [a]) != before
+
+
+def test_a_build_killed_midway_does_not_hang_the_next_process(tmp_path):
+    """Note [A build killed midway]: the marker file of a build whose process died (here
+    planted in a copy of the built extension's directory) no longer makes the next process
+    wait for it forever."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    built = native.load() and cpp_build.build_dir("fast_path", [native._CSRC / "fast_path.cpp"])
+    root = tmp_path / "builds"
+    copy = root / built.name
+    shutil.copytree(built, copy, ignore=shutil.ignore_patterns("lock", "build.lock"))
+    (copy / "lock").touch()  # left by a build that was killed
+    env = dict(os.environ, NEURON_EMULATOR_BUILD_DIR=str(root))
+    code = "from adaptive_eager.tracer import native; native.load(); print('loaded')"
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=240)
+    assert p.returncode == 0 and "loaded" in p.stdout, p.stderr[-2000:]
+    assert not (copy / "lock").exists()
+
+
 def adam_program():
     """A single-tensor Adam step (its step counts are host scalars, Note [Host scalars]) and
     a 0-dim segment value written in place (which must not be run on the host)."""
