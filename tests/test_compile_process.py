@@ -241,6 +241,49 @@ def test_the_child_idles_in_the_idle_class_and_leaves_it_when_raised():
         proc.wait()
 
 
+@pytest.mark.skipif(not (hasattr(os, "SCHED_IDLE") and os.path.exists("/proc/self/task")),
+                    reason="no idle scheduling class or /proc here")
+def test_the_processes_the_child_started_count_and_are_raised_with_it():
+    """Note [Starved compiles]: a compiler the child runs inherits its idle class; its CPU
+    time is the compile's, and raising the child raises it too."""
+    import subprocess
+    import sys
+    import time
+
+    # a child at low priority whose own child burns CPU (as a C++ compiler would)
+    burn = "import time\nt = time.time()\nwhile time.time() - t < 30: pass"
+    code = ("import subprocess, sys, time\n"
+            f"p = subprocess.Popen([sys.executable, '-c', {burn!r}])\n"
+            "time.sleep(30)")
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        assert compile_process._renice(proc.pid, compile_process.LOW)
+        deadline = time.monotonic() + 20
+        while len(compile_process._tree(proc.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        tree = compile_process._tree(proc.pid)
+        assert len(tree) == 2 and tree[0] == proc.pid
+        grandchild = tree[1]
+        assert os.sched_getscheduler(grandchild) == os.SCHED_IDLE  # inherited
+        own = compile_process._cpu_seconds(proc.pid)
+        time.sleep(1.0)
+        with open(f"/proc/{grandchild}/stat", "rb") as f:  # the burner's own time alone
+            burned = sum(int(x) for x in f.read().rsplit(b")", 1)[1].split()[11:13])
+        if burned:  # it has run (an idle class may leave it no core on a busy machine)
+            assert compile_process._cpu_seconds(proc.pid) > own
+        mine = os.getpriority(os.PRIO_PROCESS, 0)
+        if compile_process._renice(proc.pid, mine):  # where the system lets it be raised
+            assert os.sched_getscheduler(grandchild) == os.SCHED_OTHER
+            assert os.getpriority(os.PRIO_PROCESS, grandchild) == mine
+    finally:
+        for p in reversed(compile_process._tree(proc.pid)):
+            try:
+                os.kill(p, 9)
+            except ProcessLookupError:
+                pass
+        proc.wait()
+
+
 def test_a_child_that_progresses_is_left_at_low_priority(monkeypatch):
     monkeypatch.setattr(compile_process, "STARVED_S", 0.05)
     ticks = iter(range(10**6))
