@@ -135,6 +135,11 @@ _CHILD = ("import os\n"
 # 300 s of training).
 STARVED_S = 5.0
 STARVED_SHARE = 0.25
+# A request that follows a starved one within this long starts at this process's priority:
+# the paths of a step become hot together and their compiles queue one behind the other,
+# each of which would otherwise starve STARVED_S again first (measured: neuron llama-train's
+# second graph arrived 12 s after its first, 5 s of it starved).
+STARVED_RECENT_S = 30.0
 LOW = 19  # the child's niceness
 
 
@@ -148,6 +153,8 @@ class CompileProcess:
         self.started = 0  # children started (a dead one is replaced at the next request)
         self.escalated = 0  # requests raised to this process's priority (Note [Starved
         # compiles])
+        self.raised_at_once = 0  # of them, requests raised as sent (STARVED_RECENT_S)
+        self._starved_at = None  # when a request last starved
 
     def _start(self, low: bool = True) -> subprocess.Popen:
         env = {k: v for k, v in os.environ.items() if not k.startswith(_DROP_ENV_PREFIX)}
@@ -224,6 +231,13 @@ class CompileProcess:
         """Wait for the child's reply, raising its priority if it starves (Note [Starved
         compiles]); returns the child that answered and the reply (None: it died)."""
         raised = False
+        starved = self._starved_at
+        if starved is not None and time.monotonic() - starved < STARVED_RECENT_S:
+            # the one before starved: this one would too
+            raised = _renice(proc.pid, os.getpriority(os.PRIO_PROCESS, 0))
+            if raised:
+                self.escalated += 1
+                self.raised_at_once += 1
         cpu, since = _cpu_seconds(proc.pid), time.monotonic()
         while not raised and cpu is not None:
             if select.select([proc.stdout], [], [], STARVED_S)[0]:
@@ -236,6 +250,7 @@ class CompileProcess:
                 continue
             raised = True
             self.escalated += 1
+            self._starved_at = now
             log.info("the compile process had %.0f%% of a core for %.0f s: "
                      "raised to this process's priority", 100 * (now_cpu - cpu) / (now - since),
                      now - since)

@@ -223,6 +223,38 @@ def test_a_starved_child_is_raised_to_this_process_priority(monkeypatch, can_rai
         child.close()
 
 
+def test_a_request_right_after_a_starved_one_starts_raised(monkeypatch):
+    """Note [Starved compiles]: the compiles of a step's paths queue one behind the other;
+    once one starved, the next is sent at this process's priority instead of starving for
+    STARVED_S again; long after, a request starts low again."""
+    monkeypatch.setattr(compile_process, "STARVED_S", 0.05)
+    monkeypatch.setattr(compile_process, "_cpu_seconds", lambda pid: 0.0)  # never progresses
+    renice = compile_process._renice
+    raised = []
+
+    def fake_renice(pid, nice):
+        if nice < compile_process.LOW:
+            raised.append(pid)
+        return renice(pid, nice) if nice >= compile_process.LOW else True
+
+    monkeypatch.setattr(compile_process, "_renice", fake_renice)
+    child = compile_process.CompileProcess()
+    try:
+        with pytest.raises(TypeError):  # answered with an error at once, after starving
+            child.request(compile_process.pack(()))
+        assert child.escalated == 1 and child.raised_at_once == 0
+        monkeypatch.setattr(compile_process, "STARVED_S", 60.0)  # it would not be found now
+        with pytest.raises(TypeError):
+            child.request(compile_process.pack(()))
+        assert child.escalated == 2 and child.raised_at_once == 1 and len(raised) == 2
+        monkeypatch.setattr(compile_process, "STARVED_RECENT_S", 0.0)  # long after
+        with pytest.raises(TypeError):
+            child.request(compile_process.pack(()))
+        assert child.escalated == 2 and len(raised) == 2
+    finally:
+        child.close()
+
+
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="no idle scheduling class here")
 def test_the_child_idles_in_the_idle_class_and_leaves_it_when_raised():
     child = compile_process.CompileProcess()
