@@ -100,8 +100,9 @@ def _record(log, **fields):
 CASE_SAMPLES = 64
 
 
-def run_op(op, device, backend, dtype_name, kind, limit, log) -> list[dict]:
-    """Run one op for one combination; append its records to ``log`` and return them."""
+def run_op(op, device, backend, dtype_name, kind, limit, log, skip=0) -> list[dict]:
+    """Run one op for one combination; append its records to ``log`` and return them.
+    ``skip``: the samples an earlier, stopped run of it logged (Note [Resuming an op])."""
     dtype = DTYPES.get(dtype_name)
     base = dict(op=op_id(op), device=device, backend=backend, dtype=dtype_name, kind=kind)
     records = []
@@ -114,7 +115,8 @@ def run_op(op, device, backend, dtype_name, kind, limit, log) -> list[dict]:
 
     if kind == "error":
         for i, e in enumerate(error_inputs(op, device, limit)):
-            emit(i, harness.run_error_input(op, device, e, backend))
+            if i >= skip:
+                emit(i, harness.run_error_input(op, device, e, backend))
         return records
     grad = kind == "grad"
     try:
@@ -126,36 +128,37 @@ def run_op(op, device, backend, dtype_name, kind, limit, log) -> list[dict]:
         return records
     cpu = (samples(op, "cpu", dtype, grad, limit)
            if device != "cpu" and kind in ("forward", "grad") else None)
-    outcomes = []
-    for at in range(0, len(ss), CASE_SAMPLES):
+    # each step's samples are logged as it ends, so that a stopped run resumes at the step
+    # it was in (Note [Resuming an op])
+    for at in range(skip - skip % CASE_SAMPLES, len(ss), CASE_SAMPLES):
         part = slice(at, at + CASE_SAMPLES)
         case = harness.Case(op, dtype if kind != "autocast" else torch.float32, device,
                             ss[part], grad=grad, autocast=dtype if kind == "autocast" else None,
                             cpu_samples=None if cpu is None else cpu[part])
         try:
-            outcomes += harness.run_case(case, backend)
+            outcomes = harness.run_case(case, backend)
         except Exception as e:  # noqa: BLE001 -- the harness itself failed: a failure to look at
             crash = harness.Outcome("crash", detail=f"harness: {e!r}"[:400])
-            outcomes += [crash] * len(case.samples)
-    diffs = [None] * len(ss)
-    if cpu is not None:
-        # the device column: every forward sample in the exact half (plain eager on the
-        # device does not depend on the engine's backend); elsewhere where the engine failed
-        # (run_case checks those first)
-        for i, (s, c) in enumerate(zip(ss, cpu)):
-            if outcomes[i].device_diff:
-                diffs[i] = outcomes[i].device_diff
-            elif (kind == "forward" and backend == "exact") or outcomes[i].failed:
-                diffs[i] = harness.device_differs(
-                    harness.Case(op, dtype, device, [s], grad=grad), [c])
-    for i, outcome in enumerate(outcomes):
-        if outcome.failed and diffs[i]:
-            # plain eager on the device is already wrong on this sample (it differs from
-            # cpu, or raises where cpu runs): the engine cannot be judged against it until
-            # the device is fixed
-            outcome = harness.Outcome("device-bug", detail=f"plain eager on {device} "
-                                      f"differs from cpu ({diffs[i]}); {outcome.detail}")
-        emit(i, outcome, diffs[i])
+            outcomes = [crash] * len(case.samples)
+        for i, outcome in enumerate(outcomes, at):
+            diff = None
+            if cpu is not None:
+                # the device column: every forward sample in the exact half (plain eager on
+                # the device does not depend on the engine's backend); elsewhere where the
+                # engine failed (run_case checks those first)
+                if outcome.device_diff:
+                    diff = outcome.device_diff
+                elif (kind == "forward" and backend == "exact") or outcome.failed:
+                    diff = harness.device_differs(
+                        harness.Case(op, dtype, device, [ss[i]], grad=grad), [cpu[i]])
+            if outcome.failed and diff:
+                # plain eager on the device is already wrong on this sample (it differs from
+                # cpu, or raises where cpu runs): the engine cannot be judged against it
+                # until the device is fixed
+                outcome = harness.Outcome("device-bug", detail=f"plain eager on {device} "
+                                          f"differs from cpu ({diff}); {outcome.detail}")
+            if i >= skip:
+                emit(i, outcome, diff)
     return records
 
 
@@ -218,6 +221,7 @@ def sweep(ops, devices, backends, dtypes, kinds, limit, log_path, resume, progre
     """``died``: this sweep's previous child died; the op it began last is a crash. Any other op
     begun and never finished (a sweep killed from outside, say at a session's end) runs again."""
     done, started, last = set(), {}, None
+    have = {}  # an unfinished run's key -> the samples it logged (Note [Resuming an op])
     if resume and summary_path:
         done |= set(summary.read(summary_path))
     if resume and os.path.exists(log_path):
@@ -228,8 +232,12 @@ def sweep(ops, devices, backends, dtypes, kinds, limit, log_path, resume, progre
                 if rec.get("begin"):
                     started[k], last = rec, k
                     done.discard(k)
+                    have[k] = rec.get("resumed_from", 0)
                 elif rec.get("end") or rec.get("begin") is False:
                     done.add(k)
+                    have.pop(k, None)
+                elif "status" in rec and k in have and rec.get("sample") == have[k]:
+                    have[k] += 1
     items = list(plan(ops, devices, backends, dtypes, kinds))
     if "neuron" in devices:
         import adaptive_eager.neuron  # noqa: F401 -- registers the device
@@ -250,11 +258,12 @@ def sweep(ops, devices, backends, dtypes, kinds, limit, log_path, resume, progre
             k = _key(op_id(op), device, backend, dtype, kind)
             if k in done:
                 continue
+            skip = have.get(k, 0) if k not in done else 0
             _record(log, begin=True, op=op_id(op), device=device, backend=backend, dtype=dtype,
-                    kind=kind)
+                    kind=kind, **({"resumed_from": skip} if skip else {}))
             start = time.time()
             try:
-                recs = run_op(op, device, backend, dtype, kind, limit, log)
+                recs = run_op(op, device, backend, dtype, kind, limit, log, skip)
             except _Stop:
                 _record(log, stopped=True, op=op_id(op), device=device, backend=backend,
                         dtype=dtype, kind=kind)
@@ -285,9 +294,10 @@ def _runs(log_paths: str) -> dict:
                 rec = json.loads(line)
                 k = _key(rec["op"], rec["device"], rec["backend"], rec["dtype"], rec["kind"])
                 if rec.get("begin"):
-                    open_runs[k] = []
+                    # a resumed run goes on from the samples its stopped run logged
+                    open_runs[k] = open_runs.get(k, [])[:rec.get("resumed_from", 0)]
                 elif rec.get("stopped"):
-                    open_runs.pop(k, None)
+                    pass  # unfinished: not a run, but a resumed one keeps its samples
                 elif rec.get("end"):
                     runs[k] = open_runs.pop(k, [])
                 elif rec.get("begin") is False:  # a crash record
@@ -415,6 +425,13 @@ def write_results(lines, command: str, path=RESULTS, elapsed: float | None = Non
 # Note [Stopping a sweep]: a sweep stopped on purpose (SIGTERM, say from ``timeout``, or
 # Ctrl-C) marks the op it was running as stopped, not crashed, so that --resume runs it again;
 # the parent passes the signal on to its child.
+#
+# Note [Resuming an op]: an op's samples are logged one step (CASE_SAMPLES) at a time, and a
+# run stopped or killed midway resumes at the step it was in: its begin record says
+# ``resumed_from`` (the samples logged in a row from the first), the samples are generated
+# alike (seeded), and the run's records are those logged before it plus the new ones. Before,
+# a run restarted from its first sample: max_pool2d_with_indices_backward's gradients (1,440
+# samples, 76 minutes on cpu) never finished within a session that also had other work.
 _STOPPED = 3
 
 

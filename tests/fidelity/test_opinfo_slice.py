@@ -231,6 +231,43 @@ def test_log_of_a_stopped_sweep(tmp_path):
                                          for op in "ad"}
 
 
+def test_a_stopped_op_resumes_at_the_step_it_was_in(tmp_path, monkeypatch):
+    # Note [Resuming an op]: samples are logged a step at a time; a run stopped after its
+    # first step resumes at the second, and its records join up with the first's
+    monkeypatch.setattr(opinfo, "CASE_SAMPLES", 2)
+    (op,) = [o for o in _ops({"mul"}) if not o.variant_test_name]
+    log = tmp_path / "log.jsonl"
+    ran = []
+    run_case = opinfo.harness.run_case
+
+    def stop_after_one_step(case, backend):
+        if ran:
+            raise opinfo._Stop(15)
+        ran.append(len(case.samples))
+        return run_case(case, backend)
+
+    monkeypatch.setattr(opinfo.harness, "run_case", stop_after_one_step)
+    with pytest.raises(opinfo._Stop):
+        opinfo.sweep([op], ["cpu"], ["exact"], ["float32"], ["forward"], 5, str(log), False,
+                     progress=False, summary_path=None)
+    assert opinfo.finished(str(log)) == set()  # stopped: not a run yet
+    steps = []
+
+    def counted(case, backend):
+        steps.append(len(case.samples))
+        return run_case(case, backend)
+
+    monkeypatch.setattr(opinfo.harness, "run_case", counted)
+    opinfo.sweep([op], ["cpu"], ["exact"], ["float32"], ["forward"], 5, str(log), True,
+                 progress=False, summary_path=None)
+    assert ran == [2] and steps == [2, 1]  # the first step was not run again
+    records = opinfo.load(str(log))
+    assert [r["sample"] for r in records] == [0, 1, 2, 3, 4]
+    assert all(r["status"] in ("identical", "host") for r in records), records
+    begins = [json.loads(x) for x in log.read_text().splitlines() if '"begin": true' in x]
+    assert [b.get("resumed_from", 0) for b in begins] == [0, 2]
+
+
 def test_an_op_that_took_the_sweep_down_is_checked_on_the_device(monkeypatch):
     # When an op takes the sweep's process down, the resumed sweep asks a process of its own
     # whether plain eager on the device differs from cpu there; if so the op is the device's
