@@ -286,7 +286,8 @@ def _renice(pid: int, nice: int) -> bool:
         if nice < LOW:
             for p in _tree(pid):
                 try:
-                    if hasattr(os, "sched_setscheduler") and os.sched_getscheduler(p) == os.SCHED_IDLE:
+                    if (hasattr(os, "sched_setscheduler")
+                            and os.sched_getscheduler(p) == os.SCHED_IDLE):
                         os.sched_setscheduler(p, os.SCHED_OTHER, os.sched_param(0))
                     if p != pid:
                         os.setpriority(os.PRIO_PROCESS, p, nice)

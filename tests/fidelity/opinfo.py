@@ -224,6 +224,9 @@ def sweep(ops, devices, backends, dtypes, kinds, limit, log_path, resume, progre
     have = {}  # an unfinished run's key -> the samples it logged (Note [Resuming an op])
     if resume and summary_path:
         done |= set(summary.read(summary_path))
+    if resume and summary_path:
+        # Note [Runs under way]
+        _start_from_partial(log_path, devices, partial_for(summary_path))
     if resume and os.path.exists(log_path):
         with open(log_path) as f:
             for line in f:
@@ -310,6 +313,63 @@ def _runs(log_paths: str) -> dict:
 def load(log_paths: str) -> list[dict]:
     """The sample records of the logs' finished op runs (the last run of each op)."""
     return [rec for recs in _runs(log_paths).values() for rec in recs]
+
+
+# Note [Runs under way]: the logs are not kept with the repository (they are large), so a
+# run stopped midway (Note [Resuming an op]) would lose its samples with the machine: --compact
+# also writes the samples of the runs under way beside the summary (``sweep_partial.jsonl``
+# beside ``sweep_summary.jsonl``), which is kept, and a resumed sweep whose log does not exist
+# yet starts its log from it (the runs of its own devices).
+def partial_for(summary_path: str) -> str:
+    return os.path.join(os.path.dirname(os.path.abspath(summary_path)), "sweep_partial.jsonl")
+
+
+def _under_way(log_paths: str) -> list[dict]:
+    """The records of the logs' runs begun and not finished: each one's begin record (as a
+    resumed run's, from the samples logged in a row) and those samples."""
+    out, open_runs = {}, {}
+    for path in log_paths.split(","):
+        with open(path) as f:
+            for line in f:
+                rec = json.loads(line)
+                k = _key(rec["op"], rec["device"], rec["backend"], rec["dtype"], rec["kind"])
+                if rec.get("begin"):
+                    open_runs[k] = open_runs.get(k, [])[:rec.get("resumed_from", 0)]
+                    out[k] = rec
+                elif rec.get("end") or rec.get("begin") is False:
+                    open_runs.pop(k, None)
+                    out.pop(k, None)
+                elif "status" in rec and k in open_runs:
+                    open_runs[k].append(rec)
+    lines = []
+    for k, begin in out.items():
+        samples = open_runs.get(k, [])
+        n = 0
+        while n < len(samples) and samples[n]["sample"] == n:
+            n += 1
+        if n:
+            lines.append({key: v for key, v in begin.items() if key != "resumed_from"})
+            lines += samples[:n]
+    return lines
+
+
+def write_partial(log_paths: str | None, path: str) -> int:
+    """Write the samples of the logs' runs under way to ``path``; returns how many."""
+    lines = _under_way(log_paths) if log_paths else []
+    with open(path, "w") as f:
+        f.writelines(json.dumps(x) + "\n" for x in lines)
+    return sum("status" in x for x in lines)
+
+
+def _start_from_partial(log_path: str, devices, partial: str) -> None:
+    """A new log starts with the runs under way that ``partial`` holds for ``devices``."""
+    if os.path.exists(log_path) or not os.path.exists(partial):
+        return
+    with open(partial) as f:
+        lines = [x for x in f if json.loads(x)["device"] in devices]
+    if lines:
+        with open(log_path, "w") as f:
+            f.writelines(lines)
 
 
 def finished(log_paths: str) -> set:
@@ -522,7 +582,10 @@ def main(argv=None):
         if a.compact:
             summary.write({_key(x["op"], x["device"], x["backend"], x["dtype"], x["kind"]): x
                            for x in lines}, a.summary)
-            print(f"wrote {a.summary}: {len(lines)} op runs")
+            partial = partial_for(a.summary)
+            kept = write_partial(a.log, partial)
+            print(f"wrote {a.summary}: {len(lines)} op runs; {partial}: {kept} samples of "
+                  "op runs under way")
             return 0
         done = {_key(x["op"], x["device"], x["backend"], x["dtype"], x["kind"]) for x in lines}
         missing = sum(_key(op_id(op), *rest) not in done for op, *rest in plan(
