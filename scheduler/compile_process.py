@@ -326,8 +326,8 @@ def _tree(pid: int) -> list[int]:
 def _cpu_seconds(pid: int) -> float | None:
     """CPU time the process has used, with the processes it started (a C++ compiler's time
     is the compile's), from Linux ``/proc``; None if unknown or ended."""
-    total = None
-    for p in _tree(pid):
+    total = 0.0
+    for p in _tree(pid):  # ``pid`` first
         try:
             with open(f"/proc/{p}/stat", "rb") as f:
                 fields = f.read().rsplit(b")", 1)[1].split()
@@ -340,7 +340,7 @@ def _cpu_seconds(pid: int) -> float | None:
                 return None
             continue
         # utime + stime, and those of the children it has reaped
-        total = (total or 0.0) + sum(int(x) for x in fields[11:15]) / _TICKS
+        total += sum(int(x) for x in fields[11:15]) / _TICKS
     return total
 
 

@@ -285,12 +285,13 @@ def sweep(ops, devices, backends, dtypes, kinds, limit, log_path, resume, progre
 # ---------------------------------------------------------------------------- results
 
 
-def _runs(log_paths: str) -> dict:
-    """op key -> the sample records of its last finished run in the logs (a comma list: sweeps
-    run side by side, one device each). A run is finished by its end record, or by the crash
-    record a sweep writes for an op that took its child down; a run begun and never finished
-    (a sweep killed from outside) or stopped is not one."""
-    runs, open_runs = {}, {}
+def _scan(log_paths: str) -> tuple[dict, dict, dict]:
+    """What the logs (a comma list: sweeps run side by side, one device each) hold, by op key:
+    the sample records of each op's last finished run; the samples of the runs under way; and
+    the begin record of each run under way. A run is finished by its end record, or by the
+    crash record a sweep writes for an op that took its child down; a run begun and never
+    finished (a sweep killed from outside) or stopped is under way."""
+    runs, open_runs, begins = {}, {}, {}
     for path in log_paths.split(","):
         with open(path) as f:
             for line in f:
@@ -299,15 +300,23 @@ def _runs(log_paths: str) -> dict:
                 if rec.get("begin"):
                     # a resumed run goes on from the samples its stopped run logged
                     open_runs[k] = open_runs.get(k, [])[:rec.get("resumed_from", 0)]
+                    begins[k] = rec
                 elif rec.get("stopped"):
                     pass  # unfinished: not a run, but a resumed one keeps its samples
                 elif rec.get("end"):
                     runs[k] = open_runs.pop(k, [])
+                    begins.pop(k, None)
                 elif rec.get("begin") is False:  # a crash record
                     runs[k] = open_runs.pop(k, []) + [rec]
+                    begins.pop(k, None)
                 elif "status" in rec:
                     open_runs.setdefault(k, []).append(rec)
-    return runs
+    return runs, open_runs, begins
+
+
+def _runs(log_paths: str) -> dict:
+    """op key -> the sample records of its last finished run in the logs (``_scan``)."""
+    return _scan(log_paths)[0]
 
 
 def load(log_paths: str) -> list[dict]:
@@ -321,26 +330,14 @@ def load(log_paths: str) -> list[dict]:
 # beside ``sweep_summary.jsonl``), which is kept, and a resumed sweep whose log does not exist
 # yet starts its log from it (the runs of its own devices).
 def partial_for(summary_path: str) -> str:
+    """Where the samples of runs under way are kept: beside the summary."""
     return os.path.join(os.path.dirname(os.path.abspath(summary_path)), "sweep_partial.jsonl")
 
 
 def _under_way(log_paths: str) -> list[dict]:
     """The records of the logs' runs begun and not finished: each one's begin record (as a
     resumed run's, from the samples logged in a row) and those samples."""
-    out, open_runs = {}, {}
-    for path in log_paths.split(","):
-        with open(path) as f:
-            for line in f:
-                rec = json.loads(line)
-                k = _key(rec["op"], rec["device"], rec["backend"], rec["dtype"], rec["kind"])
-                if rec.get("begin"):
-                    open_runs[k] = open_runs.get(k, [])[:rec.get("resumed_from", 0)]
-                    out[k] = rec
-                elif rec.get("end") or rec.get("begin") is False:
-                    open_runs.pop(k, None)
-                    out.pop(k, None)
-                elif "status" in rec and k in open_runs:
-                    open_runs[k].append(rec)
+    _, open_runs, out = _scan(log_paths)
     lines = []
     for k, begin in out.items():
         samples = open_runs.get(k, [])
