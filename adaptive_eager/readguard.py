@@ -11,6 +11,10 @@ API call while active. Measured on this machine (64-op chain, 256 floats): +1.5 
 about 40 % of an eager op and more than the engine's whole hot-path budget. The wrappers cost
 nothing on ops and one thread-local lookup per guarded read.
 
+A storage's ``resize_`` (``t.untyped_storage().resize_(n)``; FSDP2 frees and re-allocates its
+unsharded parameters this way) changes memory without an aten op on cpu: Note [Storage
+resizes].
+
 ``torch.utils.dlpack.to_dlpack(t)`` reads memory without either a method or an op: the engine
 cannot see it; call ``ae.synchronize()`` before it (the README says so).
 """
@@ -40,13 +44,46 @@ _lock = threading.Lock()
 def install(engine, cls=torch.Tensor) -> None:
     """Wrap the guarded methods of ``cls`` (once per process and class): ``torch.Tensor``, or
     a tensor subclass that defines its own (the emulated neuron device's ``__repr__`` copies
-    to the host)."""
+    to the host). With ``torch.Tensor``, a storage's ``resize_`` too."""
+    if cls is torch.Tensor and (torch.UntypedStorage, "resize_") not in _ORIGINAL:
+        original = torch.UntypedStorage.resize_
+        _ORIGINAL[(torch.UntypedStorage, "resize_")] = original
+        torch.UntypedStorage.resize_ = _resize_guard(engine, original)
     for name in GUARDED:
         if (cls, name) in _ORIGINAL or (cls is not torch.Tensor and name not in vars(cls)):
             continue
         original = getattr(cls, name)
         _ORIGINAL[(cls, name)] = original
         setattr(cls, name, _guard(engine, name, original))
+
+
+# Note [Storage resizes]: ``UntypedStorage.resize_`` reallocates a storage's memory in place
+# (to zero bytes: frees it) without an aten op on cpu, so the mode never sees it. A deferred
+# op that reads or writes that memory would run after it: FSDP2 frees each unsharded
+# parameter after its layer's forward, and a deferred ``mm`` of the forward then read freed
+# memory ("The tensor has a non-zero number of elements, but its data is not allocated
+# yet") where eager had run it before the free. So a resize is a boundary, counted as
+# "storage resize": whatever the segment has deferred launches first. It ends a cold segment
+# as well (one that has ops), so the paths learned cold end where the hot ones will: a
+# resize inside a hot path would cut it short at every step. A resize with no op since the
+# last boundary costs nothing. The resize itself then runs with the engine paused.
+
+
+def _resize_guard(engine, original):
+    @functools.wraps(original)
+    def guarded(self, *args, **kwargs):
+        m = engine.mode()
+        if m is None or m.paused:
+            return original(self, *args, **kwargs)
+        m.settle()  # a plan may have started the segment hot (tracer.hot_plan)
+        S = m.seg
+        if S.hot or (S.node is not None and S.node.depth):
+            m.boundary("storage resize")
+        with m.pause():
+            return original(self, *args, **kwargs)
+
+    guarded.__adaptive_eager_guard__ = True
+    return guarded
 
 
 # Host reads, the step governor's clock in loops without an optimizer

@@ -203,6 +203,33 @@ def test_data_ptr_flushes():
     assert t.tolist() == [[2.0, 4, 6], [8, 10, 12]]
 
 
+def _resized_step(w, src, x):
+    """A step that, as FSDP2 does with an unsharded parameter, allocates ``w``'s memory,
+    fills it, computes with it and frees it again."""
+    w.untyped_storage().resize_(w.numel() * w.element_size())
+    w.copy_(src)
+    y = (x @ w).relu() * 2
+    w.untyped_storage().resize_(0)
+    return y.sum().item()
+
+
+def test_storage_resize_is_a_boundary():
+    # Note [Storage resizes]: without it the deferred ``mm`` read ``w`` after its memory was
+    # freed ("data is not allocated yet") where eager ran it before.
+    torch.manual_seed(0)
+    srcs, x = torch.randn(10, 8, 8), torch.randn(4, 8)
+    w = torch.empty(8, 8)
+    w.untyped_storage().resize_(0)
+    want = [_resized_step(w, srcs[i], x) for i in range(10)]
+    with ae.enabled(**CPU):
+        d = Delta()
+        got = [_resized_step(w, srcs[i], x) for i in range(10)]
+        assert d.replays >= 5  # hot, and each launch before the free
+        assert d.boundaries.get("storage resize", 0) >= 10
+    assert got == want
+    assert w.untyped_storage().nbytes() == 0
+
+
 def test_autograd_gradients_match():
     def f(w, x):
         return ((x @ w).tanh() * 3).sum()
