@@ -54,6 +54,8 @@ def test_fused_replay_values_and_counts():
         assert d.launches == 6  # per run: one fused replay + the .item() read
         assert d.ops_deferred == 3 * 7
     assert got == pytest.approx([ref] * 3, rel=1e-5)
+    # built with the C++ wrapper (Note [C++ wrappers]): no fallback to the Python one
+    assert not [k for k in ae.stats().fallbacks if k.startswith("C++ wrapper")]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -403,6 +405,33 @@ def test_failed_compile_keeps_the_path_hot_as_an_exact_replay(monkeypatch):
         assert d.fallbacks == {"no fused graph (its compile failed): replayed exactly": 3}
     assert got == [ref] * 3  # exact replay: bitwise
     assert ae.stats().fallbacks["compile failed: RuntimeError: lowering not supported"] == 1
+
+
+def test_cpu_graphs_get_the_cpp_wrapper_or_count_why_not(monkeypatch):
+    # Note [C++ wrappers]: compiled here (no compile process) so the test sees the calls
+    from torch._inductor import compile_fx
+
+    real, calls = compile_fx.compile_fx_inner, []
+
+    def no_cpp_wrapper(*args, **kwargs):
+        calls.append(bool(kwargs.get("cpp_wrapper")))
+        if kwargs.get("cpp_wrapper"):
+            raise RuntimeError("no C++ wrapper here")
+        return real(*args, **kwargs)
+
+    monkeypatch.setenv("NEURON_ADAPTIVE_EAGER_COMPILE_PROCESS", "0")
+    x = torch.randn(64)
+    ref = chain(x, 1.75).sum().item()
+    with ae.enabled(**IND):
+        monkeypatch.setattr(compile_fx, "compile_fx_inner", no_cpp_wrapper)
+        hot(lambda: chain(x, 1.75).sum().item())
+        d = Delta()
+        got = chain(x, 1.75).sum().item()
+        assert d.cache_hits == 1  # fused all the same, by the Python wrapper
+    assert calls == [True, False]
+    why = [k for k in ae.stats().fallbacks if k.startswith("C++ wrapper not built")]
+    assert len(why) == 1 and "RuntimeError: no C++ wrapper here" in why[0], why
+    assert got == pytest.approx(ref, rel=1e-5)
 
 
 def test_shape_variants_of_one_path_share_the_compile_budget(monkeypatch):

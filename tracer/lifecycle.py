@@ -352,6 +352,9 @@ def install(mode) -> None:
         if built:
             c.graphs_compiled += 1
             c.compile_seconds += graph.compile_seconds
+            if graph.wrapper_failed:  # Note [C++ wrappers] (scheduler/backends.py)
+                c.fallback(f"C++ wrapper not built ({path.specs[0].line}): "
+                           f"{graph.wrapper_failed}; Inductor's Python wrapper runs the graph")
         graph.gid = path.gid
         if mode.debug >= 1:
             log.info("graph%d ready: %s, %d ops, compiled in %.2fs", path.gid, graph.backend,
