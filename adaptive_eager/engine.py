@@ -53,6 +53,18 @@ class Engine:
         m = getattr(self.local, "mode", None)
         return m if m is not None and getattr(self.local, "active", False) else None
 
+    def mode_here(self) -> AdaptiveEagerMode | None:
+        """This thread's mode, or the engine's mode this thread runs under without having
+        enabled it: autograd runs an accelerator's backward on a thread of its own, which
+        inherits the caller's dispatch mode stack (hooks there, DDP's among them)."""
+        m = self.mode()
+        if m is not None:
+            return m
+        for mode in reversed(_get_current_dispatch_mode_stack()):
+            if isinstance(mode, AdaptiveEagerMode):
+                return mode
+        return None
+
     def enable(self, config: Config) -> None:
         _set_debug(config.debug)
         set_depth(config.queue_depth)

@@ -72,7 +72,7 @@ def install(engine, cls=torch.Tensor) -> None:
 def _resize_guard(engine, original):
     @functools.wraps(original)
     def guarded(self, *args, **kwargs):
-        m = engine.mode()
+        m = engine.mode_here()
         if m is None or m.paused:
             return original(self, *args, **kwargs)
         m.settle()  # a plan may have started the segment hot (tracer.hot_plan)
@@ -131,7 +131,7 @@ def _guard(engine, name, original):
 
     @functools.wraps(original)
     def guarded(self, *args, **kwargs):
-        m = engine.mode()
+        m = engine.mode_here()
         if m is None or m.paused:
             return original(self, *args, **kwargs)
         m.settle()  # a plan may have started the segment hot (tracer.hot_plan)

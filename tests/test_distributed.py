@@ -1,4 +1,5 @@
-"""torch.distributed under the engine: ranks on loopback (gloo), each run against plain eager.
+"""torch.distributed under the engine: ranks on loopback (gloo; on neuron the device's own
+backend), each run against plain eager.
 
 Each test starts its ranks in a fresh process group (``torch.multiprocessing.spawn``), under a
 timeout, so a rank that fails or hangs fails the test and leaves no process behind.
@@ -30,17 +31,17 @@ FSDP2 = textwrap.dedent('''
 
     STEPS = 12
 
-    def train(rank, engine, reshard):
+    def train(rank, engine, reshard, device):
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)).to(device)
         for layer in model:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer, reshard_after_forward=reshard)
         fully_shard(model, reshard_after_forward=reshard)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         torch.manual_seed(1 + rank)
-        x, y = torch.randn(4, 16), torch.randn(4, 8)
-        ctx = ae.enabled(devices=("cpu",), backend="exact") if engine else contextlib.nullcontext()
+        x, y = torch.randn(4, 16).to(device), torch.randn(4, 8).to(device)
+        ctx = ae.enabled(devices=(device,), backend="exact") if engine else contextlib.nullcontext()
         losses = []
         with ctx:
             for _ in range(STEPS):
@@ -49,16 +50,19 @@ FSDP2 = textwrap.dedent('''
                 opt.step()
                 opt.zero_grad()
                 losses.append(loss.item())
-        params = [p.to_local().clone() for p in model.parameters()]
+        params = [p.to_local().cpu() for p in model.parameters()]
         return losses, params
 
-    def main(rank, world, port, reshard):
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    def main(rank, world, port, reshard, device):
+        if device == "neuron":  # else FSDP2 would shard onto the accelerator it registers
+            import adaptive_eager.neuron
+        # the device's default backend: gloo on cpu, the emulated device's own on neuron
+        dist.init_process_group(init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world)
         try:
-            want, want_params = train(rank, False, reshard)
+            want, want_params = train(rank, False, reshard, device)
             ae.reset()
-            got, got_params = train(rank, True, reshard)
+            got, got_params = train(rank, True, reshard, device)
             s = ae.stats()
             same_params = all(torch.equal(a, b) for a, b in zip(want_params, got_params))
             if rank == 0:
@@ -70,7 +74,7 @@ FSDP2 = textwrap.dedent('''
 
     if __name__ == "__main__":
         import torch.multiprocessing as mp
-        mp.spawn(main, args=(2, int(sys.argv[1]), sys.argv[2] == "1"), nprocs=2)
+        mp.spawn(main, args=(2, int(sys.argv[1]), sys.argv[2] == "1", sys.argv[3]), nprocs=2)
 ''')
 
 
@@ -101,13 +105,159 @@ def _run(script: str, *args, tmp_path) -> dict:
     return json.loads(line[len("RESULT "):])
 
 
-@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "no-reshard"])
-def test_fsdp2_trains_as_eager(tmp_path, reshard):
+@pytest.mark.parametrize("device,reshard", [("cpu", True), ("cpu", False), ("neuron", True)],
+                         ids=["cpu-reshard", "cpu-no-reshard", "neuron-reshard"])
+def test_fsdp2_trains_as_eager(tmp_path, device, reshard):
     # FSDP2 frees each unsharded parameter's memory after use (storage resizes, Note
     # [Storage resizes]); a deferred op reading it after the free used to fail the backward.
-    r = _run(FSDP2, "1" if reshard else "0", tmp_path=tmp_path)
+    # On neuron the frees after backward run on autograd's device thread.
+    r = _run(FSDP2, "1" if reshard else "0", device, tmp_path=tmp_path)
     assert r["got"] == r["want"]  # bitwise, every step
     assert r["same_params"]
     assert r["replays"] > 0  # the engine went hot, not aside
     if reshard:
         assert r["resizes"] > 0
+
+
+# Note [Collectives over device memory] (adaptive_eager/neuron/collectives.py)
+NEURON_DDP = textwrap.dedent('''
+    import contextlib, json, sys
+    import torch, torch.distributed as dist, torch.nn as nn
+    import adaptive_eager as ae
+    import adaptive_eager.neuron
+
+    def collectives(rank):
+        torch.manual_seed(rank)
+        x = torch.randn(6)
+        got, want = x.to("neuron") * 2, x * 2
+        out = []
+        for t in (got, want):
+            dist.all_reduce(t)
+            gathered = torch.empty(12, device=t.device)
+            dist.all_gather_into_tensor(gathered, t)
+            part = torch.empty(3, device=t.device)
+            dist.reduce_scatter_tensor(part, t)
+            b = torch.full((4,), float(rank), device=t.device)
+            dist.broadcast(b, src=1)
+            dist.all_reduce(b, async_op=True).wait()
+            out.append([v.cpu().tolist() for v in (t, gathered, part, b)])
+        return out[0] == out[1]
+
+    def train(rank, device, engine):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)).to(device)
+        ddp = nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+        torch.manual_seed(1 + rank)
+        x, y = torch.randn(4, 16).to(device), torch.randn(4, 8).to(device)
+        ctx = ae.enabled(devices=(device,), backend="exact") if engine else contextlib.nullcontext()
+        losses = []
+        with ctx:
+            for _ in range(10):
+                loss = ((ddp(x) - y) ** 2).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+        return losses
+
+    def main(rank, world, port):
+        dist.init_process_group(init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world)
+        try:
+            same = collectives(rank)
+            cpu, neuron = train(rank, "cpu", False), train(rank, "neuron", False)
+            ae.reset()
+            engine = train(rank, "neuron", True)
+            s = ae.stats()
+            if rank == 0:
+                print("RESULT " + json.dumps(dict(
+                    group=type(dist.group.WORLD).__name__, collectives_same=same, cpu=cpu,
+                    neuron=neuron, engine=engine, replays=s.replays,
+                    collectives=s.boundaries.get("collective", 0))), flush=True)
+        finally:
+            dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        import torch.multiprocessing as mp
+        mp.spawn(main, args=(2, int(sys.argv[1])), nprocs=2)
+''')
+
+
+def test_neuron_collectives_and_ddp(tmp_path):
+    r = _run(NEURON_DDP, tmp_path=tmp_path)
+    assert r["group"] == "NeuronProcessGroup"  # init_process_group()'s default there
+    assert r["collectives_same"]  # all_reduce, all_gather, reduce_scatter, broadcast: as cpu
+    assert r["neuron"] == r["cpu"]  # DDP on the device, plain eager: bitwise cpu's
+    assert r["engine"] == r["neuron"]  # and under the engine
+    assert r["replays"] > 0
+    # DDP's bucket all-reduces run in backward hooks, on autograd's device thread: each
+    # launched what the engine deferred first (else they reduced gradients not yet computed)
+    assert r["collectives"] > 0
+
+
+# Tensor parallel (DTensor): a tiny Llama's MLPs split across the ranks. The engine does not
+# capture DTensor ops (each one is counted and runs as in eager; the local ops under them are
+# deferred); the collectives are boundaries.
+TP = textwrap.dedent('''
+    import contextlib, json, sys
+    import torch, torch.distributed as dist
+    import adaptive_eager as ae
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def train(device, engine):
+        cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=172,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=64)
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg).to(device)
+        mesh = init_device_mesh(device, (2,))
+        for layer in model.model.layers:
+            parallelize_module(layer.mlp, mesh, {"gate_proj": ColwiseParallel(),
+                                                 "up_proj": ColwiseParallel(),
+                                                 "down_proj": RowwiseParallel()})
+        # one tensor at a time: foreach kernels refuse a mix of DTensor and plain parameters
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+        ids = torch.randint(0, 256, (2, 16)).to(device)
+        ctx = ae.enabled(devices=(device,), backend="exact") if engine else contextlib.nullcontext()
+        losses = []
+        with ctx:
+            for _ in range(8):
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+        return losses
+
+    def main(rank, world, port, device):
+        if device == "neuron":
+            import adaptive_eager.neuron
+        dist.init_process_group(init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world)
+        try:
+            want = train(device, False)
+            ae.reset()
+            got = train(device, True)
+            s = ae.stats()
+            if rank == 0:
+                print("RESULT " + json.dumps(dict(want=want, got=got, replays=s.replays)),
+                      flush=True)
+        finally:
+            dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        import torch.multiprocessing as mp
+        mp.spawn(main, args=(2, int(sys.argv[1]), sys.argv[2]), nprocs=2)
+''')
+
+
+@pytest.mark.parametrize("device", ["cpu", "neuron"])
+def test_tensor_parallel_llama_trains_as_eager(tmp_path, device):
+    pytest.importorskip("transformers")
+    r = _run(TP, device, tmp_path=tmp_path)
+    assert r["got"] == r["want"]  # bitwise, every step
+    assert r["replays"] > 0

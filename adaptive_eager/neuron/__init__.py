@@ -41,6 +41,10 @@ def ensure() -> bool:
 
             emulator.register(config.setting("emulator_launch_us"))
             _EMULATED = True
+        if _EMULATED:
+            from . import collectives
+
+            collectives.register()
     return _EMULATED
 
 
