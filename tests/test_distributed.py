@@ -161,9 +161,9 @@ NEURON_DDP = textwrap.dedent('''
                 losses.append(loss.item())
         return losses
 
-    def main(rank, world, port):
-        dist.init_process_group(init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world)
+    def main(rank, world, port, backend):
+        dist.init_process_group(backend or None, init_method=f"tcp://127.0.0.1:{port}",
+                                rank=rank, world_size=world)
         try:
             same = collectives(rank)
             cpu, neuron = train(rank, "cpu", False), train(rank, "neuron", False)
@@ -172,21 +172,24 @@ NEURON_DDP = textwrap.dedent('''
             s = ae.stats()
             if rank == 0:
                 print("RESULT " + json.dumps(dict(
-                    group=type(dist.group.WORLD).__name__, collectives_same=same, cpu=cpu,
+                    backend=dist.group.WORLD._get_backend(torch.device("neuron")).name(),
+                    collectives_same=same, cpu=cpu,
                     neuron=neuron, engine=engine, replays=s.replays,
-                    collectives=s.boundaries.get("collective", 0))), flush=True)
+                    collectives=sum(n for k, n in s.fallbacks.items()
+                                    if k.startswith("collective: c10d.")))), flush=True)
         finally:
             dist.destroy_process_group()
 
     if __name__ == "__main__":
         import torch.multiprocessing as mp
-        mp.spawn(main, args=(2, int(sys.argv[1])), nprocs=2)
+        mp.spawn(main, args=(2, int(sys.argv[1]), sys.argv[2]), nprocs=2)
 ''')
 
 
-def test_neuron_collectives_and_ddp(tmp_path):
-    r = _run(NEURON_DDP, tmp_path=tmp_path)
-    assert r["group"] == "NeuronProcessGroup"  # init_process_group()'s default there
+@pytest.mark.parametrize("backend", ["", "gloo"], ids=["default", "gloo"])
+def test_neuron_collectives_and_ddp(tmp_path, backend):
+    r = _run(NEURON_DDP, backend, tmp_path=tmp_path)
+    assert r["backend"] == "gloo"  # the device's default, and gloo named: gloo serves it
     assert r["collectives_same"]  # all_reduce, all_gather, reduce_scatter, broadcast: as cpu
     assert r["neuron"] == r["cpu"]  # DDP on the device, plain eager: bitwise cpu's
     assert r["engine"] == r["neuron"]  # and under the engine

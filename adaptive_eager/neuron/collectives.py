@@ -1,53 +1,62 @@
-"""Collectives on the emulated ``neuron`` device: a ``torch.distributed`` backend named
-``neuron``, gloo over the device's memory.
+"""Collectives on the emulated ``neuron`` device: gloo over the device's memory.
 
-``init_process_group("neuron")`` (or ``init_process_group()``, whose default for the device
-this is, or ``"cpu:gloo,neuron:neuron"``) gives a process group whose collectives take
-neuron tensors, and cpu tensors as gloo does, so DDP, FSDP2 and DTensor run on the device
-unchanged. TorchNeuron's own backend is used where torch-neuronx is installed.
+With the emulated device registered, gloo takes neuron tensors and is the device's default
+backend, as it is for ``mps``: ``init_process_group()``, ``init_process_group("gloo")`` or
+``"cpu:gloo,neuron:gloo"`` give a group whose collectives take neuron tensors (and cpu ones),
+so DDP, FSDP2 and DTensor run on the device unchanged. TorchNeuron's own backend is used
+where torch-neuronx is installed.
 
-Note [Collectives over device memory]: a collective is a sync point of the device, as a copy
-to the host is. It waits for the device's queue (what the program queued before it has run),
-then runs gloo's collective on host tensors over the same memory (the device's memory is host
-memory: no copy either way), and returns once gloo is done, with a finished ``Work``
-(``async_op=True`` too: ``wait()`` returns at once). What the program queues after it reads
-what the collective wrote. The collectives reach this class from Python and from C++ (DDP's
-reducer) without an aten op, so a dispatch mode does not see them: this engine's deferred
-work is launched first (a boundary, counted as "collective"), and the engine is paused while
-gloo runs.
+Note [Collectives over device memory]: every collective reaches the dispatcher as a
+``c10d::`` op (``dist.all_reduce``, DDP's reducer, FSDP2, DTensor's functional collectives
+alike), whose kernel for the device's key asks the group for the device's backend. The
+device's kernel here instead waits for the device's queue (what the program queued before it
+has run: a collective is a sync point of the device, as a copy to the host is), runs the same
+op on host tensors over the same memory (the device's memory is host memory: no copy either
+way), which gloo serves as a cpu collective, and waits for gloo before it returns, so that
+what the program queues next reads what the collective wrote (``async_op=True`` too: the
+returned ``Work`` is done). A dispatch mode sees the ``c10d::`` op before this kernel runs:
+the engine's mode makes it a boundary (``tracer.optable``), launching what it deferred first.
 """
 
 from __future__ import annotations
 
-import contextlib
-import datetime
-
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
 
-__all__ = ["register", "NeuronProcessGroup"]
+__all__ = ["register"]
 
-NAME = "neuron"
+# the c10d ops that move tensors (c10d's own names)
+OPS = ("allreduce_", "allreduce_coalesced_", "_allgather_base_", "allgather_",
+       "allgather_coalesced_", "allgather_into_tensor_coalesced_", "reduce_scatter_",
+       "_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_", "broadcast_", "barrier",
+       "alltoall_base_", "alltoall_", "reduce_", "gather_", "scatter_", "send", "recv_",
+       "recv_any_source_", "monitored_barrier_")
+
+_LIB: list = []  # the library holding the kernels, alive for the process
 
 
 def register() -> None:
-    """Make ``neuron`` a ``torch.distributed`` backend for the emulated device (once)."""
-    if not dist.is_available() or NAME.upper() in dist.Backend._plugins:
+    """gloo for the emulated device: its capability, its default backend, and the device's
+    kernels of the ``c10d::`` ops (once)."""
+    if _LIB or not dist.is_available() or not dist.is_gloo_available():
         return
-    dist.Backend.register_backend(NAME, _create, devices=["neuron"])
+    if "neuron" not in dist.Backend.backend_capability["gloo"]:
+        dist.Backend.backend_capability["gloo"].append("neuron")
+    dist.Backend.default_device_backend_map.setdefault("neuron", "gloo")
+    import warnings
+
+    lib = torch.library.Library("c10d", "IMPL")
+    with warnings.catch_warnings():  # c10d's own kernel for the key is replaced on purpose
+        warnings.simplefilter("ignore")
+        for name in OPS:
+            op = getattr(torch.ops.c10d, name).default
+            lib.impl(name, _over_host(op), "PrivateUse1")
+    _LIB.append(lib)
 
 
-def _create(store, rank: int, world_size: int, timeout: datetime.timedelta):
-    if not dist.is_gloo_available():
-        raise RuntimeError("the neuron collective backend runs over gloo, which this torch "
-                           "build lacks")
-    return NeuronProcessGroup(store, rank, world_size, timeout)
-
-
-def _device_wait(reason: str):
-    """Wait for the device's queue; returns the function that views a device tensor on the
-    host (its memory, no copy)."""
+def _host_view(reason: str):
+    """Wait for the device's queue; the function that views a device tensor on the host
+    (its memory, no copy)."""
     from . import is_native
 
     if is_native():
@@ -62,138 +71,50 @@ def _device_wait(reason: str):
     return lambda t: t._b
 
 
-@contextlib.contextmanager
-def _outside_engine():
-    """Launch this thread's deferred work first, and keep the engine out while gloo runs."""
+def _serve_cpu(group) -> None:
+    """A group made for the device alone (``init_process_group()`` on a machine whose
+    accelerator is the device) has no cpu backend: its gloo serves the host tensors too."""
     try:
-        from adaptive_eager.engine import ENGINE
-    except ImportError:  # the engine is not imported: nothing is deferred
-        yield
-        return
-    m = ENGINE.mode_here()
-    if m is None or m.paused:
-        yield
-        return
-    m.boundary("collective")
-    with m.pause():
-        yield
+        group._get_backend(torch.device("cpu"))
+    except RuntimeError:
+        group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO,
+                                group._get_backend(torch.device("neuron")))
 
 
-class NeuronProcessGroup(dist.ProcessGroup):
-    """gloo's collectives over neuron (and cpu) tensors: Note [Collectives over device
-    memory]."""
+def _over_host(op):
+    reason = f"collective: {op._schema.name}"
+    work_type = torch._C._distributed_c10d.Work
 
-    def __init__(self, store, rank: int, world_size: int, timeout: datetime.timedelta):
-        super().__init__(rank, world_size)
-        self._gloo = dist.ProcessGroupGloo(store, rank, world_size, timeout)
-        # the group's name and description live on its backends
-        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO,
-                               self._gloo)
+    def kernel(*args, **kwargs):
+        view, device_of = None, {}
 
-    def getBackendName(self) -> str:
-        return NAME
+        def host(x):
+            nonlocal view
+            if isinstance(x, torch.Tensor) and x.device.type == "neuron":
+                if view is None:
+                    view = _host_view(reason)
+                h = view(x)
+                device_of[id(h)] = x
+                return h
+            if isinstance(x, (list, tuple)):
+                return [host(y) for y in x]
+            return x
 
-    def __repr__(self) -> str:
-        return f"NeuronProcessGroup(rank={self.rank()}, size={self.size()})"
+        for a in args:
+            if isinstance(a, torch.ScriptObject) and a._type().name() == "ProcessGroup":
+                _serve_cpu(dist.ProcessGroup.unbox(a))
+        out = op(*[host(a) for a in args], **{k: host(v) for k, v in kwargs.items()})
 
-    def _run(self, name: str, result, *args):
-        """gloo's ``name`` over host views of ``args`` (tensors, lists of them, options);
-        a finished Work whose value is ``result``."""
-        with _outside_engine():
-            view = None
-
-            def host(x):
-                nonlocal view
-                if isinstance(x, torch.Tensor):
-                    if x.device.type != "neuron":
-                        return x
-                    if view is None:
-                        view = _device_wait(f"collective: {name}")
-                    return view(x)
-                if isinstance(x, (list, tuple)):
-                    return [host(y) for y in x]
+        def back(x):
+            if isinstance(x, work_type):
+                x.wait()  # done before the device's next launch reads what it wrote
                 return x
+            if isinstance(x, torch.Tensor):
+                return device_of.get(id(x), x)
+            if isinstance(x, (list, tuple)):
+                return type(x)(back(y) for y in x)
+            return x
 
-            getattr(self._gloo, name)(*[host(a) for a in args]).wait()
-        return self._done(result)
+        return back(out)
 
-    @staticmethod
-    def _done(result):
-        fut = torch.futures.Future()
-        fut.set_result(result)
-        return _create_work_from_future(fut)
-
-    # The names the process group is called by (torch.distributed's functions, and C++ callers
-    # such as DDP's reducer), each mapped to gloo's.
-
-    def allreduce(self, tensors, opts=None):
-        return self._run("allreduce", tensors, tensors, opts or dist.AllreduceOptions())
-
-    def allreduce_coalesced(self, tensors, opts=None):
-        return self._run("allreduce_coalesced", tensors, tensors,
-                         opts or dist.AllreduceCoalescedOptions())
-
-    def broadcast(self, tensors, opts=None):
-        return self._run("broadcast", tensors, tensors, opts or dist.BroadcastOptions())
-
-    def reduce(self, tensors, opts=None):
-        return self._run("reduce", tensors, tensors, opts or dist.ReduceOptions())
-
-    def allgather(self, output_lists, inputs, opts=None):
-        return self._run("allgather", output_lists, output_lists, inputs,
-                         opts or dist.AllgatherOptions())
-
-    def allgather_coalesced(self, output_lists, inputs, opts=None):
-        return self._run("allgather_coalesced", output_lists, output_lists, inputs,
-                         opts or dist.AllgatherOptions())
-
-    def all_gather_single(self, output, input, opts=None):
-        return self._run("_allgather_base", [output], output, input,
-                         opts or dist.AllgatherOptions())
-
-    _allgather_base = all_gather_single
-
-    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
-        for out, inp in zip(outputs, inputs, strict=True):
-            self.all_gather_single(out, inp, opts)
-        return self._done(outputs)
-
-    allgather_into_tensor_coalesced = all_gather_single_coalesced
-
-    def reduce_scatter(self, outputs, input_lists, opts=None):
-        return self._run("reduce_scatter", outputs, outputs, input_lists,
-                         opts or dist.ReduceScatterOptions())
-
-    def reduce_scatter_single(self, output, input, opts=None):
-        return self._run("_reduce_scatter_base", [output], output, input,
-                         opts or dist.ReduceScatterOptions())
-
-    _reduce_scatter_base = reduce_scatter_single
-
-    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
-        for out, inp in zip(outputs, inputs, strict=True):
-            self.reduce_scatter_single(out, inp, opts)
-        return self._done(outputs)
-
-    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
-
-    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,
-                          opts=None):
-        return self._run("alltoall_base", [output], output, input, output_split_sizes,
-                         input_split_sizes, opts or dist.AllToAllOptions())
-
-    alltoall_base = all_to_all_single
-
-    def alltoall(self, outputs, inputs, opts=None):
-        return self._run("alltoall", outputs, outputs, inputs, opts or dist.AllToAllOptions())
-
-    def gather(self, output_lists, inputs, opts=None):
-        return self._run("gather", output_lists, output_lists, inputs,
-                         opts or dist.GatherOptions())
-
-    def scatter(self, outputs, input_lists, opts=None):
-        return self._run("scatter", outputs, outputs, input_lists,
-                         opts or dist.ScatterOptions())
-
-    def barrier(self, opts=None):
-        return self._run("barrier", [], opts or dist.BarrierOptions())
+    return kernel
