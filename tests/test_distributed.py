@@ -172,6 +172,28 @@ NEURON_DDP = textwrap.dedent('''
             out.append([v.cpu().tolist() for v in (t, gathered, part, b)])
         return out[0] == out[1]
 
+    def mixed(rank, device, engine):
+        """Compute and collectives interleaved in a loop: in-place, async with wait(),
+        functional (with its wait), and reads of what they wrote."""
+        import torch.distributed._functional_collectives as funcol
+
+        torch.manual_seed(rank)
+        x = torch.randn(8).to(device)
+        ctx = ae.enabled(devices=(device,), backend="exact") if engine else contextlib.nullcontext()
+        seen = []
+        with ctx:
+            for i in range(8):
+                a = x * (i + 1) + 1
+                work = dist.all_reduce(a, async_op=True)
+                work.wait()
+                b = funcol.all_reduce(a * 2, "sum", dist.group.WORLD)
+                c = funcol.wait_tensor(b) + a
+                out = torch.empty(16, device=device)
+                dist.all_gather_into_tensor(out, c.tanh())
+                x = x + out[:8] * 0.01
+                seen.append((x.sum() + c.sum()).item())
+        return seen
+
     def train(rank, device, engine):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)).to(device)
@@ -195,6 +217,7 @@ NEURON_DDP = textwrap.dedent('''
                                 rank=rank, world_size=world)
         try:
             same = collectives(rank)
+            loops = [mixed(rank, d, e) for d in ("cpu", "neuron") for e in (False, True)]
             cpu, neuron = train(rank, "cpu", False), train(rank, "neuron", False)
             ae.reset()
             engine = train(rank, "neuron", True)
@@ -202,7 +225,7 @@ NEURON_DDP = textwrap.dedent('''
             if rank == 0:
                 print("RESULT " + json.dumps(dict(
                     backend=dist.group.WORLD._get_backend(torch.device("neuron")).name(),
-                    collectives_same=same, cpu=cpu,
+                    collectives_same=same, loops=loops, cpu=cpu,
                     neuron=neuron, engine=engine, replays=s.replays,
                     collectives=sum(n for k, n in s.fallbacks.items()
                                     if k.startswith("collective: c10d.")))), flush=True)
@@ -220,6 +243,10 @@ def test_neuron_collectives_and_ddp(tmp_path, backend):
     r = _run(NEURON_DDP, backend, tmp_path=tmp_path)
     assert r["backend"] == "gloo"  # the device's default, and gloo named: gloo serves it
     assert r["collectives_same"]  # all_reduce, all_gather, reduce_scatter, broadcast: as cpu
+    # compute and collectives interleaved (async with wait(), functional ones): the engine on
+    # each device as eager there, and neuron as cpu
+    cpu_eager, cpu_engine, neuron_eager, neuron_engine = r["loops"]
+    assert cpu_engine == cpu_eager and neuron_engine == neuron_eager == cpu_eager
     assert r["neuron"] == r["cpu"]  # DDP on the device, plain eager: bitwise cpu's
     assert r["engine"] == r["neuron"]  # and under the engine
     assert r["replays"] > 0
@@ -293,3 +320,69 @@ def test_tensor_parallel_llama_trains_as_eager(tmp_path, device):
     r = _run(TP, device, tmp_path=tmp_path)
     assert r["got"] == r["want"]  # bitwise, every step
     assert r["replays"] > 0
+
+
+# One rank fails mid-training under the engine; the other must raise too, not hang. Each rank
+# writes what happened to it; the parent gives them a bounded time and kills what is left.
+FAILING_RANK = textwrap.dedent('''
+    import datetime, json, os, sys, time
+    import torch, torch.distributed as dist, torch.nn as nn
+    import adaptive_eager as ae
+
+    def main(rank, world, port, device, outdir):
+        if device == "neuron":
+            import adaptive_eager.neuron
+        dist.init_process_group(init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=60))
+        torch.manual_seed(0)
+        model = nn.parallel.DistributedDataParallel(nn.Linear(16, 8).to(device))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        x = torch.randn(4, 16).to(device)
+        start = time.time()
+        try:
+            with ae.enabled(devices=(device,), backend="exact"):
+                for i in range(20):
+                    if rank == 1 and i == 6:  # hot by now
+                        raise RuntimeError("rank 1 fails")
+                    loss = model(x).square().mean()
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                    loss.item()
+            what = "finished"
+        except Exception as e:
+            what = f"raised {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+            json.dump(dict(what=what, seconds=time.time() - start), f)
+        os._exit(0)  # no process-group teardown: the peer is gone
+
+    if __name__ == "__main__":
+        import torch.multiprocessing as mp
+        ctx = mp.start_processes(main, args=(2, int(sys.argv[1]), sys.argv[2], sys.argv[3]),
+                                 nprocs=2, join=False, start_method="spawn")
+        deadline = time.time() + 120
+        for p in ctx.processes:
+            p.join(max(0.0, deadline - time.time()))
+        alive = [p.pid for p in ctx.processes if p.is_alive()]
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+        ranks = []
+        for r in range(2):
+            path = os.path.join(sys.argv[3], f"rank{r}.json")
+            ranks.append(json.load(open(path)) if os.path.exists(path) else None)
+        print("RESULT " + json.dumps(dict(alive=alive, ranks=ranks)), flush=True)
+''')
+
+
+@pytest.mark.parametrize("device", ["cpu", "neuron"])
+def test_a_failing_rank_raises_on_every_rank(tmp_path, device):
+    out = tmp_path / "ranks"
+    out.mkdir()
+    r = _run(FAILING_RANK, device, str(out), tmp_path=tmp_path)
+    assert r["alive"] == []  # no rank left hanging
+    failed, survivor = r["ranks"][1], r["ranks"][0]
+    assert failed["what"] == "raised RuntimeError: rank 1 fails"
+    # the other rank's next collective fails as its peer goes away, well inside the timeout
+    assert survivor["what"].startswith("raised "), survivor
+    assert survivor["seconds"] < 60
