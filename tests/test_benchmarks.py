@@ -190,3 +190,27 @@ def test_sized_llama_workloads(monkeypatch):
         workload("llama-train@6x2")
     with pytest.raises(KeyError):
         workload("llama-train@8")
+
+
+def _distributed(*args, timeout=600):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "benchmarks.distributed", *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_the_distributed_benchmark_runs_a_row():
+    pytest.importorskip("transformers")
+    r = _distributed("--devices", "cpu", "--steps", "1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [ln for ln in r.stdout.splitlines() if ln.startswith("| cpu |")]
+    assert len(rows) == 1 and rows[0].rstrip().endswith("| True |"), r.stdout  # losses equal
+
+
+@pytest.mark.parametrize("args,message", [
+    (("--devices", "tpu"), "--devices: 'tpu' is not one of cpu, neuron"),
+    (("--launch-us", "ten"), "--launch-us: 'ten' is not a comma-separated list of numbers"),
+    (("--steps", "0"), "--steps: 0 is not a positive number of steps"),
+])
+def test_the_distributed_benchmark_names_a_bad_flag(args, message):
+    r = _distributed(*args, timeout=120)
+    assert r.returncode != 0 and r.stderr.strip().splitlines()[-1] == message

@@ -219,13 +219,14 @@ NEURON_DDP = textwrap.dedent('''
             same = collectives(rank)
             loops = [mixed(rank, d, e) for d in ("cpu", "neuron") for e in (False, True)]
             cpu, neuron = train(rank, "cpu", False), train(rank, "neuron", False)
+            engine_cpu = train(rank, "cpu", True)
             ae.reset()
             engine = train(rank, "neuron", True)
             s = ae.stats()
             if rank == 0:
                 print("RESULT " + json.dumps(dict(
                     backend=dist.group.WORLD._get_backend(torch.device("neuron")).name(),
-                    collectives_same=same, loops=loops, cpu=cpu,
+                    collectives_same=same, loops=loops, cpu=cpu, engine_cpu=engine_cpu,
                     neuron=neuron, engine=engine, replays=s.replays,
                     collectives=sum(n for k, n in s.fallbacks.items()
                                     if k.startswith("collective: c10d.")))), flush=True)
@@ -239,7 +240,7 @@ NEURON_DDP = textwrap.dedent('''
 
 
 @pytest.mark.parametrize("backend", ["", "gloo"], ids=["default", "gloo"])
-def test_neuron_collectives_and_ddp(tmp_path, backend):
+def test_collectives_and_ddp(tmp_path, backend):
     r = _run(NEURON_DDP, backend, tmp_path=tmp_path)
     assert r["backend"] == "gloo"  # the device's default, and gloo named: gloo serves it
     assert r["collectives_same"]  # all_reduce, all_gather, reduce_scatter, broadcast: as cpu
@@ -249,6 +250,7 @@ def test_neuron_collectives_and_ddp(tmp_path, backend):
     assert cpu_engine == cpu_eager and neuron_engine == neuron_eager == cpu_eager
     assert r["neuron"] == r["cpu"]  # DDP on the device, plain eager: bitwise cpu's
     assert r["engine"] == r["neuron"]  # and under the engine
+    assert r["engine_cpu"] == r["cpu"]  # as on cpu
     assert r["replays"] > 0
     # DDP's bucket all-reduces run in backward hooks, on autograd's device thread: each
     # launched what the engine deferred first (else they reduced gradients not yet computed)
