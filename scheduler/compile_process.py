@@ -55,16 +55,28 @@ class CompileProcessError(RuntimeError):
     """The compile process could not serve a request (it died, or could not be started)."""
 
 
+# torch's dtype, layout and memory-format objects go by name: a layout does not pickle at
+# all, and a memory format pickles as a global that ``pickle`` looks up in whichever loaded
+# module reaches it first; in a process started by ``torch.multiprocessing.spawn`` that was
+# the program's own ``__mp_main__`` (it imports torch), which the child does not have, and
+# every compile of an op taking ``memory_format`` failed there (DDP's on neuron did).
+_BY_NAME = (torch.dtype, torch.layout, torch.memory_format)
+
+
 class _Pickler(pickle.Pickler):
     def persistent_id(self, obj):
         if isinstance(obj, torch._ops.OpOverload):
             return ("op", obj.namespace, obj._schema.name.split("::", 1)[1],
                     obj._overloadname)
+        if isinstance(obj, _BY_NAME):
+            return ("torch", str(obj).split(".", 1)[1])
         return None
 
 
 class _Unpickler(pickle.Unpickler):
     def persistent_load(self, pid):
+        if pid[0] == "torch":
+            return getattr(torch, pid[1])
         kind, namespace, name, overload = pid
         if kind != "op":
             raise pickle.UnpicklingError(f"unknown reference {pid!r}")

@@ -1,6 +1,7 @@
 """Fused compiles run in a child process (Note [Compiles leave the process])."""
 
 import os
+import pathlib
 import threading
 
 import pytest
@@ -45,6 +46,40 @@ def test_the_graph_is_compiled_in_the_child_and_replays_here():
 def test_ops_travel_by_name():
     ops = [torch.ops.aten.add.Tensor, torch.ops.aten.sum.default, torch.ops.prims.iota.default]
     assert compile_process.loads(compile_process.dumps(ops)) == ops
+
+
+_SPAWNED_DUMPS = """
+import sys, torch
+from adaptive_eager.scheduler import compile_process
+
+def child(rank, path):
+    with open(path, "wb") as f:
+        f.write(compile_process.dumps([torch.preserve_format, torch.channels_last,
+                                       torch.strided, torch.bfloat16]))
+
+if __name__ == "__main__":
+    import torch.multiprocessing as mp
+    mp.spawn(child, args=(sys.argv[1],), nprocs=1)
+"""
+
+
+def test_dtypes_layouts_and_memory_formats_travel_by_name(tmp_path):
+    # A memory format pickled as a global of whichever loaded module reached it first: in a
+    # process started by torch.multiprocessing.spawn, the program's own ``__mp_main__``,
+    # which the compile child does not have (every compile of an op taking memory_format
+    # failed there).
+    import subprocess
+    import sys
+
+    script, out = tmp_path / "spawned.py", tmp_path / "request.bin"
+    script.write_text(_SPAWNED_DUMPS)
+    root = str(pathlib.Path(__file__).resolve().parent.parent)
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    subprocess.run([sys.executable, str(script), str(out)], env=env, check=True, timeout=120)
+    data = out.read_bytes()
+    assert b"__main__" not in data and b"__mp_main__" not in data
+    got = compile_process.loads(data)
+    assert got == [torch.preserve_format, torch.channels_last, torch.strided, torch.bfloat16]
 
 
 def test_a_compile_in_the_child_leaves_this_process_tracing_state_alone():

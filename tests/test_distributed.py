@@ -21,67 +21,109 @@ if not torch.distributed.is_available() or not torch.distributed.is_gloo_availab
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Each rank trains the same model twice, plainly and under the engine, from the same seed;
-# rank 0 prints what the test compares.
-FSDP2 = textwrap.dedent('''
+# Each rank trains the same model from the same seed: plainly, on cpu too where the device is
+# neuron, and under the engine with each backend; rank 0 prints what the test compares.
+TRAIN = textwrap.dedent('''
     import contextlib, json, sys
     import torch, torch.distributed as dist, torch.nn as nn
     import adaptive_eager as ae
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.device_mesh import init_device_mesh
 
-    STEPS = 12
+    STEPS = 10
 
-    def train(rank, engine, cfg):
-        device = cfg["device"]
+    def build(rank, world, device, cfg):
         torch.manual_seed(0)
+        kind = cfg["kind"]
+        if kind == "tp":  # a tiny Llama's MLPs split across the ranks; the same batch on each
+            from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                           parallelize_module)
+            from transformers import LlamaConfig, LlamaForCausalLM
+
+            model = LlamaForCausalLM(LlamaConfig(
+                vocab_size=256, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=64)).to(device)
+            mesh = init_device_mesh(device, (world,))
+            for layer in model.model.layers:
+                parallelize_module(layer.mlp, mesh, {"gate_proj": ColwiseParallel(),
+                                                     "up_proj": ColwiseParallel(),
+                                                     "down_proj": RowwiseParallel()})
+            ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+            ids = ids.to(device)
+            # one tensor at a time: foreach kernels refuse a mix of DTensor and plain tensors
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+            return model, opt, lambda: model(input_ids=ids, labels=ids).loss
         model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)).to(device)
-        kw = dict(reshard_after_forward=cfg["reshard"])
-        if cfg["bf16"]:
-            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                                   reduce_dtype=torch.float32)
-        for layer in model:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer, **kw)
-        fully_shard(model, **kw)
+        if kind == "ddp":
+            model = nn.parallel.DistributedDataParallel(model)
+        else:
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            kw = dict(reshard_after_forward=cfg["reshard"], mesh=init_device_mesh(device, (world,)))
+            if cfg["bf16"]:
+                kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                       reduce_dtype=torch.float32)
+            for layer in model:
+                if isinstance(layer, nn.Linear):
+                    fully_shard(layer, **kw)
+            fully_shard(model, **kw)
+        g = torch.Generator().manual_seed(1 + rank)
+        x, y = torch.randn(4, 16, generator=g).to(device), torch.randn(4, 8, generator=g).to(device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        torch.manual_seed(1 + rank)
-        x, y = torch.randn(4, 16).to(device), torch.randn(4, 8).to(device)
-        ctx = (ae.enabled(devices=(device,), backend=cfg["backend"]) if engine
+        return model, opt, lambda: ((model(x).float() - y) ** 2).mean()
+
+    def local(t):
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.detach().float().cpu()
+
+    def train(rank, world, device, backend, cfg):
+        model, opt, loss_of = build(rank, world, device, cfg)
+        ctx = (ae.enabled(devices=(device,), backend=backend) if backend
                else contextlib.nullcontext())
         losses = []
         with ctx:
             for i in range(STEPS):
-                loss = ((model(x).float() - y) ** 2).mean()
+                loss = loss_of()
                 loss.backward()
                 opt.step()
                 opt.zero_grad()
                 losses.append(loss.item())
-                if engine and i == 2 and cfg["backend"] == "inductor":
+                if backend == "inductor" and i == 2:
                     ae.wait_compiles(240)  # the later steps replay fused graphs
-        params = [p.to_local().float().cpu() for p in model.parameters()]
-        state = [v.to_local().float().cpu() for st in opt.state.values() for v in st.values()
-                 if isinstance(v, torch.Tensor) and v.dim()]
-        return losses, params + state
+        state = [local(p) for p in model.parameters()]
+        state += [local(v) for st in opt.state.values() for v in st.values()
+                  if isinstance(v, torch.Tensor) and v.dim()]
+        return losses, state
+
+    def compare(a, b):
+        return dict(
+            losses_equal=a[0] == b[0],
+            state_equal=all(torch.equal(x, y) for x, y in zip(a[1], b[1])),
+            losses_close=all(abs(x - y) <= 1e-3 * abs(x) for x, y in zip(a[0], b[0])),
+            state_close=all(torch.allclose(x, y, rtol=1e-3, atol=1e-5)
+                            for x, y in zip(a[1], b[1])))
 
     def main(rank, world, port, cfg):
-        if cfg["device"] == "neuron":  # else FSDP2 would shard onto the accelerator
+        device = cfg["device"]
+        if device == "neuron":  # else FSDP2 and DeviceMesh would pick the accelerator
             import adaptive_eager.neuron
-        # the device's default backend: gloo (over the device's memory on neuron)
-        dist.init_process_group(init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        dist.init_process_group("cpu:gloo,neuron:gloo" if device == "neuron" else "gloo",
+                                init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world)
         try:
-            want, want_state = train(rank, False, cfg)
-            ae.reset()
-            got, got_state = train(rank, True, cfg)
-            s = ae.stats()
-            close = all(torch.allclose(a, b, rtol=1e-3, atol=1e-5)
-                        for a, b in zip(want_state, got_state))
-            same = all(torch.equal(a, b) for a, b in zip(want_state, got_state))
+            want = train(rank, world, device, None, cfg)
+            out = {}
+            if device == "neuron":
+                out["cpu"] = compare(want, train(rank, world, "cpu", None, cfg))
+            for backend in cfg["backends"]:
+                ae.reset()
+                r = compare(want, train(rank, world, device, backend, cfg))
+                s = ae.stats()
+                r.update(replays=s.replays, fused=s.cache_hits,
+                         resizes=s.boundaries.get("storage resize", 0))
+                out[backend] = r
             if rank == 0:
-                print("RESULT " + json.dumps(dict(
-                    want=want, got=got, same_state=same, close_state=close,
-                    replays=s.replays, fused=s.cache_hits,
-                    resizes=s.boundaries.get("storage resize", 0))), flush=True)
+                print("RESULT " + json.dumps(out), flush=True)
         finally:
             dist.destroy_process_group()
 
@@ -119,33 +161,43 @@ def _run(script: str, *args, tmp_path) -> dict:
     return json.loads(line[len("RESULT "):])
 
 
-FSDP2_CASES = {  # id: (device, ranks, backend, reshard_after_forward, bf16 parameters)
-    "cpu-reshard": ("cpu", 2, "exact", True, False),
-    "cpu-no-reshard": ("cpu", 2, "exact", False, False),
-    "cpu-4-ranks-bf16": ("cpu", 4, "exact", True, True),
-    "cpu-inductor": ("cpu", 2, "inductor", True, False),
-    "neuron-reshard": ("neuron", 2, "exact", True, False),
+BOTH = ("exact", "inductor")
+CASES = {  # id: (kind, device, ranks, backends, FSDP2's reshard_after_forward, bf16 parameters)
+    "ddp-cpu": ("ddp", "cpu", 2, BOTH, True, False),
+    "ddp-neuron": ("ddp", "neuron", 2, BOTH, True, False),
+    "fsdp2-cpu": ("fsdp2", "cpu", 2, BOTH, True, False),
+    "fsdp2-cpu-no-reshard": ("fsdp2", "cpu", 2, ("exact",), False, False),
+    "fsdp2-cpu-4-ranks-bf16": ("fsdp2", "cpu", 4, ("exact",), True, True),
+    "fsdp2-neuron": ("fsdp2", "neuron", 2, BOTH, True, False),
+    "fsdp2-neuron-bf16": ("fsdp2", "neuron", 2, ("exact",), True, True),
+    "tp-cpu": ("tp", "cpu", 2, BOTH, True, False),
+    "tp-neuron": ("tp", "neuron", 2, BOTH, True, False),
 }
 
 
-@pytest.mark.parametrize("case", FSDP2_CASES)
-def test_fsdp2_trains_as_eager(tmp_path, case):
-    # FSDP2 frees each unsharded parameter's memory after use (storage resizes, Note
-    # [Storage resizes]); a deferred op reading it after the free used to fail the backward.
-    # On neuron the frees after backward run on autograd's device thread.
-    device, world, backend, reshard, bf16 = FSDP2_CASES[case]
-    cfg = dict(device=device, world=world, backend=backend, reshard=reshard, bf16=bf16)
-    r = _run(FSDP2, json.dumps(cfg), tmp_path=tmp_path)
-    if backend == "exact":
-        assert r["got"] == r["want"]  # bitwise, every step
-        assert r["same_state"]  # parameters and optimizer state
-    else:
-        assert r["got"] == pytest.approx(r["want"], rel=1e-3)
-        assert r["close_state"]
-        assert r["fused"] > 0  # fused graphs replayed
-    assert r["replays"] > 0  # the engine went hot, not aside
-    if reshard:
-        assert r["resizes"] > 0
+@pytest.mark.parametrize("case", CASES)
+def test_trains_as_eager(tmp_path, case):
+    # The FSDP2 cases are the regression tests of Note [Storage resizes]: a deferred op read
+    # an unsharded parameter after FSDP2 freed its memory ("data is not allocated yet"). On
+    # neuron the frees after backward run on autograd's device thread.
+    kind, device, world, backends, reshard, bf16 = CASES[case]
+    if kind == "tp":
+        pytest.importorskip("transformers")
+    cfg = dict(kind=kind, device=device, world=world, backends=backends, reshard=reshard,
+               bf16=bf16)
+    r = _run(TRAIN, json.dumps(cfg), tmp_path=tmp_path)
+    if device == "neuron":  # plain eager on the device: bitwise cpu's
+        assert r["cpu"]["losses_equal"] and r["cpu"]["state_equal"]
+    for backend in backends:
+        got = r[backend]
+        if backend == "exact":  # bitwise: losses every step, parameters, optimizer state
+            assert got["losses_equal"] and got["state_equal"], got
+        else:
+            assert got["losses_close"] and got["state_close"], got
+            assert got["fused"] > 0, got  # fused graphs replayed
+        assert got["replays"] > 0, got  # the engine went hot, not aside
+        if kind == "fsdp2" and reshard:
+            assert got["resizes"] > 0, got
 
 
 # Note [Collectives over device memory] (adaptive_eager/neuron/collectives.py)
@@ -255,73 +307,6 @@ def test_collectives_and_ddp(tmp_path, backend):
     # DDP's bucket all-reduces run in backward hooks, on autograd's device thread: each
     # launched what the engine deferred first (else they reduced gradients not yet computed)
     assert r["collectives"] > 0
-
-
-# Tensor parallel (DTensor): a tiny Llama's MLPs split across the ranks. The engine does not
-# capture DTensor ops (each one is counted and runs as in eager; the local ops under them are
-# deferred); the collectives are boundaries.
-TP = textwrap.dedent('''
-    import contextlib, json, sys
-    import torch, torch.distributed as dist
-    import adaptive_eager as ae
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    def train(device, engine):
-        cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=172,
-                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                          max_position_embeddings=64)
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(cfg).to(device)
-        mesh = init_device_mesh(device, (2,))
-        for layer in model.model.layers:
-            parallelize_module(layer.mlp, mesh, {"gate_proj": ColwiseParallel(),
-                                                 "up_proj": ColwiseParallel(),
-                                                 "down_proj": RowwiseParallel()})
-        # one tensor at a time: foreach kernels refuse a mix of DTensor and plain parameters
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
-        ids = torch.randint(0, 256, (2, 16)).to(device)
-        ctx = ae.enabled(devices=(device,), backend="exact") if engine else contextlib.nullcontext()
-        losses = []
-        with ctx:
-            for _ in range(8):
-                loss = model(input_ids=ids, labels=ids).loss
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                losses.append(loss.item())
-        return losses
-
-    def main(rank, world, port, device):
-        if device == "neuron":
-            import adaptive_eager.neuron
-        dist.init_process_group(init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world)
-        try:
-            want = train(device, False)
-            ae.reset()
-            got = train(device, True)
-            s = ae.stats()
-            if rank == 0:
-                print("RESULT " + json.dumps(dict(want=want, got=got, replays=s.replays)),
-                      flush=True)
-        finally:
-            dist.destroy_process_group()
-
-    if __name__ == "__main__":
-        import torch.multiprocessing as mp
-        mp.spawn(main, args=(2, int(sys.argv[1]), sys.argv[2]), nprocs=2)
-''')
-
-
-@pytest.mark.parametrize("device", ["cpu", "neuron"])
-def test_tensor_parallel_llama_trains_as_eager(tmp_path, device):
-    pytest.importorskip("transformers")
-    r = _run(TP, device, tmp_path=tmp_path)
-    assert r["got"] == r["want"]  # bitwise, every step
-    assert r["replays"] > 0
 
 
 # One rank fails mid-training under the engine; the other must raise too, not hang. Each rank
