@@ -164,6 +164,7 @@ def _run(script: str, *args, tmp_path) -> dict:
 BOTH = ("exact", "inductor")
 CASES = {  # id: (kind, device, ranks, backends, FSDP2's reshard_after_forward, bf16 parameters)
     "ddp-cpu": ("ddp", "cpu", 2, BOTH, True, False),
+    "ddp-cpu-4-ranks": ("ddp", "cpu", 4, ("exact",), True, False),
     "ddp-neuron": ("ddp", "neuron", 2, BOTH, True, False),
     "fsdp2-cpu": ("fsdp2", "cpu", 2, BOTH, True, False),
     "fsdp2-cpu-no-reshard": ("fsdp2", "cpu", 2, ("exact",), False, False),
@@ -171,6 +172,7 @@ CASES = {  # id: (kind, device, ranks, backends, FSDP2's reshard_after_forward, 
     "fsdp2-neuron": ("fsdp2", "neuron", 2, BOTH, True, False),
     "fsdp2-neuron-bf16": ("fsdp2", "neuron", 2, ("exact",), True, True),
     "tp-cpu": ("tp", "cpu", 2, BOTH, True, False),
+    "tp-cpu-4-ranks": ("tp", "cpu", 4, ("exact",), True, False),
     "tp-neuron": ("tp", "neuron", 2, BOTH, True, False),
 }
 
