@@ -82,6 +82,11 @@ VARIABLES: tuple[Var, ...] = (
         "1: fused graphs whose kernels run on the CPU or on CUDA compile in a separate "
         "process, so the loop never waits for the interpreter lock while they compile; 0: "
         "on a thread of this process."),
+    Var("NEURON_ADAPTIVE_EAGER_CPP_WRAPPER", "cpp_wrapper", "bool", True,
+        "1: fused graphs whose kernels run on the CPU (cpu, the emulated neuron device) are "
+        "built with Inductor's C++ wrapper, which calls their kernels without Python (a "
+        "faster hot step; a longer compile in the background); 0: Inductor's Python "
+        "wrapper."),
     Var("NEURON_ADAPTIVE_EAGER_HOT_PATH", "hot_path", "choice", "key",
         "How a hot path checks and records each op: `key` (ops reach the engine through a "
         "dispatch key of its own below autograd, and a hot segment's ops are served there in "
@@ -124,6 +129,7 @@ class Config:
     suspend_ratio: float = 1.05
     queue_depth: int = 8
     compile_process: bool = True
+    cpp_wrapper: bool = True
     hot_path: str = "key"
 
     def backend_for(self, device_type: str) -> str:

@@ -280,7 +280,7 @@ def _as_recorded(spec, res, device_map=None):
 
 
 def _inductor_compile(specs, ext_metas, live_metas, the_plan, spec_values, device_map,
-                      kernels):
+                      kernels, cpp_wrapper=False):
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx_inner
 
@@ -298,7 +298,7 @@ def _inductor_compile(specs, ext_metas, live_metas, the_plan, spec_values, devic
         gm, inputs, fake_mode = trace(specs, ext_metas, live_metas, the_plan, spec_values,
                                       device_map, kernels)
         code = gm.code
-        if graph_device(ext_metas, live_metas, device_map).type == "cpu":
+        if cpp_wrapper and graph_device(ext_metas, live_metas, device_map).type == "cpu":
             try:
                 with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
                     compiled = compile_fx_inner(gm, inputs, is_inference=True, cpp_wrapper=True)
@@ -319,10 +319,15 @@ def _inductor_compile(specs, ext_metas, live_metas, the_plan, spec_values, devic
 # that wrapper was a tenth of the hot step (measured on llama-train, cpu, 2 threads: 3.48
 # and 3.65 ms a step with the Python wrapper, 3.33 and 3.27 with the C++ one; eager 3.8-4.1).
 # Graphs whose kernels run on the CPU (cpu, and the emulated neuron device's memory) are
-# therefore built with Inductor's C++ wrapper (``cpp_wrapper``), which also runs with the
-# interpreter lock released, so the neuron device's worker does not hold it while its
-# kernels run. A cold compile costs the same (14.4 and 14.6 s for a first 8-op graph in a
-# new process, one run each). Where Inductor cannot build the C++ wrapper, the graph is
+# therefore built with Inductor's C++ wrapper (``cpp_wrapper``; the setting
+# NEURON_ADAPTIVE_EAGER_CPP_WRAPPER, on by default), which also runs with the interpreter lock
+# released, so the neuron device's worker does not hold it while its kernels run. Its cost
+# is the compile, in the background: a first 8-op graph in a new process took 14.4 s either
+# way (one run each), but each C++ wrapper is compiled with libtorch's headers: a clean CI
+# run of the test suite, whose hundreds of small graphs compile cold, had done 29 % of its
+# tests after 15 minutes (other work on the machine too), where the whole suite took 12
+# before. The suite runs the Python wrapper (tests/conftest.py) except where a test asks for
+# the C++ one. Where Inductor cannot build the C++ wrapper, the graph is
 # traced again and built with the Python one, counted with the reason when it is installed.
 
 
@@ -335,33 +340,35 @@ def _compiled_graph(run, code, seconds, ext_metas, live_metas, the_plan, spec_va
 
 
 def inductor_graph(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values,
-                   device_map=None, kernels=None) -> Graph:
+                   device_map=None, kernels=None, cpp_wrapper=False) -> Graph:
     """Inductor in this process (on the compiler thread)."""
     prepare_thread()
     compiled, code, seconds, failed = _inductor_compile(specs, ext_metas, live_metas, the_plan,
-                                                        spec_values, device_map, kernels)
+                                                        spec_values, device_map, kernels,
+                                                        cpp_wrapper)
     run = getattr(compiled, "current_callable", None) or compiled
     return _compiled_graph(run, code, seconds, ext_metas, live_metas, the_plan, spec_values,
                            len(specs), device_map, wrapper_failed=failed)
 
 
 def inductor_artifact(specs, ext_metas, live_metas, the_plan, spec_values, device_map=None,
-                      kernels=None):
+                      kernels=None, cpp_wrapper=False):
     """Inductor in the compile process: its output serialized for the requesting process
     (Note [Compiles leave the process])."""
     compiled, code, seconds, failed = _inductor_compile(specs, ext_metas, live_metas, the_plan,
-                                                        spec_values, device_map, kernels)
+                                                        spec_values, device_map, kernels,
+                                                        cpp_wrapper)
     compiled.prepare_for_serialization()
     return pickle.dumps(compiled), code, seconds, failed
 
 
 def remote_inductor_graph(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values,
-                          device_map=None, kernels=None) -> Graph:
+                          device_map=None, kernels=None, cpp_wrapper=False) -> Graph:
     """Inductor in the compile process; this thread only waits and loads the result."""
     # The child needs what ``trace`` reads; the signature key and source line stay here.
     sent = [dataclasses.replace(s, key=None) for s in specs]
     request = compile_process.pack((sent, ext_metas, live_metas, the_plan, spec_values,
-                                     device_map, kernels))
+                                     device_map, kernels, cpp_wrapper))
     blob, code, seconds, failed = compile_process.shared().request(request)
     compiled = pickle.loads(blob)
     from torch._inductor.output_code import CompiledFxGraphConstants
@@ -372,7 +379,7 @@ def remote_inductor_graph(specs, ext_metas, live_metas: dict, the_plan: Plan, sp
 
 
 def neuron_graph(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values,
-                 device_map=None, kernels=None) -> Graph:
+                 device_map=None, kernels=None, cpp_wrapper=False) -> Graph:
     """TorchNeuron's compiler: the same functional graph, through ``torch.compile``'s
     ``neuron`` backend (registered by torch-neuronx; used as it is)."""
     from torch._dynamo.backends.registry import lookup_backend
@@ -397,7 +404,8 @@ BACKENDS = {"inductor": inductor_graph, "neuron": neuron_graph,
 
 
 def compile_graph(backend: str, specs, ext_metas, live_metas, the_plan, spec_values,
-                  device_map=None, kernels=None, process: bool = False) -> Graph:
+                  device_map=None, kernels=None, process: bool = False,
+                  cpp_wrapper: bool = False) -> Graph:
     """Compile one variant. ``process``: Inductor runs in the compile process for graphs on
     the CPU or CUDA (Note [Compiles leave the process]); other backends and devices compile
     on this thread."""
@@ -405,7 +413,7 @@ def compile_graph(backend: str, specs, ext_metas, live_metas, the_plan, spec_val
             and graph_device(ext_metas, live_metas, device_map).type in PROCESS_DEVICES):
         backend = "inductor-process"
     return BACKENDS[backend](specs, ext_metas, live_metas, the_plan, spec_values, device_map,
-                             kernels)
+                             kernels, cpp_wrapper)
 
 
 # Where the compile process compiles: the CPU, and CUDA (the child makes its own CUDA

@@ -19,6 +19,9 @@ if os.environ.get("ADAPTIVE_EAGER_TEST_HOT_PATH"):
 # and the retirement of fused graphs measured slower than eager. Both are off in tests that
 # count launches and cache hits (a loaded CI machine made a fused graph look slow); the tests
 # of those decisions turn them on with ratios that fix the outcome.
+# Inductor's Python wrapper: the C++ one costs a libtorch compile per graph, too slow for the
+# suite's hundreds of cold graphs (Note [C++ wrappers]); its tests turn it on themselves
+os.environ["NEURON_ADAPTIVE_EAGER_CPP_WRAPPER"] = "0"
 os.environ["NEURON_ADAPTIVE_EAGER_SUSPEND_RATIO"] = "0"
 os.environ["NEURON_ADAPTIVE_EAGER_RETIRE_RATIO"] = "0"
 

@@ -54,7 +54,19 @@ def test_fused_replay_values_and_counts():
         assert d.launches == 6  # per run: one fused replay + the .item() read
         assert d.ops_deferred == 3 * 7
     assert got == pytest.approx([ref] * 3, rel=1e-5)
-    # built with the C++ wrapper (Note [C++ wrappers]): no fallback to the Python one
+
+
+def test_cpp_wrapper_graph_replays(monkeypatch):
+    # Note [C++ wrappers]: the default outside the suite; built in the compile process
+    monkeypatch.setenv("NEURON_ADAPTIVE_EAGER_CPP_WRAPPER", "1")
+    x = torch.randn(64)
+    ref = chain(x, 1.625).sum().item()
+    with ae.enabled(**IND):
+        hot(lambda: chain(x, 1.625).sum().item())
+        d = Delta()
+        got = [chain(x, 1.625).sum().item() for _ in range(3)]
+        assert d.cache_hits == 3 and d.launches == 6
+    assert got == pytest.approx([ref] * 3, rel=1e-5)
     assert not [k for k in ae.stats().fallbacks if k.startswith("C++ wrapper")]
 
 
@@ -420,6 +432,7 @@ def test_cpu_graphs_get_the_cpp_wrapper_or_count_why_not(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setenv("NEURON_ADAPTIVE_EAGER_COMPILE_PROCESS", "0")
+    monkeypatch.setenv("NEURON_ADAPTIVE_EAGER_CPP_WRAPPER", "1")
     x = torch.randn(64)
     ref = chain(x, 1.75).sum().item()
     with ae.enabled(**IND):

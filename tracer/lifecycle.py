@@ -182,13 +182,13 @@ class Path:
         the_plan = self.plan
         return live, the_plan.lifted, (pick or pick_floats)(floats, the_plan.specialized)
 
-    def builder(self, variant, process: bool = False):
+    def builder(self, variant, process: bool = False, cpp_wrapper: bool = False):
         live, _, spec_values = variant  # computed from the current plan just before
         specs, ext_metas, the_plan, backend = self.specs, self.ext_metas, self.plan, self.backend
         live_metas = {i: self.val_meta[i] for i in live}
         device_map, kernels = self.device_map, self.kernels
         return lambda: compile_graph(backend, specs, ext_metas, live_metas, the_plan,
-                                     spec_values, device_map, kernels, process)
+                                     spec_values, device_map, kernels, process, cpp_wrapper)
 
     def graph_key(self, variant) -> GraphKey:
         return GraphKey(self.key, self.backend, variant)
@@ -315,7 +315,8 @@ def request(mode, path: Path, variant) -> None:
     if mode.debug >= 1:
         log.info("compiling graph%d: %d ops, %d live outputs (%s .. %s)", path.gid,
                  len(path.specs), len(variant[0]), path.specs[0].line, path.specs[-1].line)
-    mode.engine.compiler.request(key, path.builder(variant, mode.config.compile_process),
+    mode.engine.compiler.request(key, path.builder(variant, mode.config.compile_process,
+                                                   mode.config.cpp_wrapper),
                                  mode.inbox,
                                  (mode.generation, path, variant))
 
