@@ -110,8 +110,9 @@ def info(func) -> OpInfo:
 # eager's order on every rank by construction; FSDP2's storage frees and re-allocations are
 # boundaries too (Note [Storage resizes]). The cost is launches, measured by
 # ``../shared/acceptance/distributed.py`` (30 steps of a 2-layer MLP, 2 ranks, exact, per
-# step): DDP on cpu 28 ops in 6.6 launches, FSDP2 on cpu 143 ops in 53 launches; on neuron
-# DDP 22 ops in 5.3 launches, FSDP2 47 ops in 12.2 launches.
+# step, two runs an hour apart): DDP on cpu 28 and 77 ops intercepted in 6.6 and 8.2
+# launches, FSDP2 on cpu 143 and 52 ops in 53 and 19.5 launches; on neuron DDP 22 ops in 5.3
+# launches, FSDP2 47 ops in 12.2 launches (both runs). ``benchmarks.distributed`` times it.
 
 
 def _classify(func) -> OpInfo:
