@@ -70,20 +70,9 @@ def install(engine, cls=torch.Tensor) -> None:
 
 
 def _resize_guard(engine, original):
-    @functools.wraps(original)
-    def guarded(self, *args, **kwargs):
-        m = engine.mode_here()
-        if m is None or m.paused:
-            return original(self, *args, **kwargs)
-        m.settle()  # a plan may have started the segment hot (tracer.hot_plan)
-        S = m.seg
-        if S.hot or (S.node is not None and S.node.depth):
-            m.boundary("storage resize")
-        with m.pause():
-            return original(self, *args, **kwargs)
-
-    guarded.__adaptive_eager_guard__ = True
-    return guarded
+    # a cold segment ends at any resize once it has ops (Note [Storage resizes])
+    return _flush_first(engine, original, "storage resize",
+                        lambda S, storage: S.node is not None and S.node.depth)
 
 
 # Host reads, the step governor's clock in loops without an optimizer
@@ -127,7 +116,18 @@ def _count(engine, original):
 
 
 def _guard(engine, name, original):
-    reason = f"host read: {_READS[name]}"
+    # a hot segment launches first; a cold one ends where it will end hot, at a read of what
+    # it computed or wrote (Segment.involves), as a read the mode sees (``item``): else the
+    # path it learns runs on past the read, and a step whose only read is one of these never
+    # repeats a path
+    return _flush_first(engine, original, f"host read: {_READS[name]}",
+                        lambda S, t: S.involves(t))
+
+
+def _flush_first(engine, original, reason, ends_cold):
+    """``original`` behind a boundary ``reason``: when this thread's engine (or the engine
+    whose mode this thread runs under) has a hot segment, or a cold one that
+    ``ends_cold(segment, self)``, it launches first; the method then runs paused."""
 
     @functools.wraps(original)
     def guarded(self, *args, **kwargs):
@@ -136,11 +136,7 @@ def _guard(engine, name, original):
             return original(self, *args, **kwargs)
         m.settle()  # a plan may have started the segment hot (tracer.hot_plan)
         S = m.seg
-        # a hot segment launches first; a cold one ends where it will end hot, at a read of
-        # what it computed or wrote (Segment.involves), as a read the mode sees (``item``):
-        # else the path it learns runs on past the read, and a step whose only read is one of
-        # these never repeats a path
-        if S.hot or S.involves(self):
+        if S.hot or ends_cold(S, self):
             m.boundary(reason)
         with m.pause():
             return original(self, *args, **kwargs)
