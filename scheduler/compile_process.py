@@ -188,13 +188,11 @@ class CompileProcess:
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (root, env.get("PYTHONPATH")) if p)
         self.started += 1
-        proc = subprocess.Popen(
-            [sys.executable, "-c", _CHILD if low else _CHILD_NORMAL],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            env=env, close_fds=True,
-        )
-        if low:  # from here, not only from the child's first line: its start-up is low too
-            _renice(proc.pid, LOW)
+        argv = [sys.executable, "-c", _CHILD if low else _CHILD_NORMAL]
+        if not low:
+            return _popen(argv, env)
+        proc = _born_low(argv, env)
+        _renice(proc.pid, LOW)  # where it could not be born low: from here on
         return proc
 
     def _after_fork(self) -> None:
@@ -287,6 +285,43 @@ class CompileProcess:
     def pid(self) -> int | None:
         proc = self._proc
         return None if proc is None or proc.poll() is not None else proc.pid
+
+
+def _popen(argv, env) -> subprocess.Popen:
+    return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, env=env, close_fds=True)
+
+
+# Note [A child born low]: a process inherits its scheduling class and niceness from the
+# thread that starts it. Started from the loop's thread, the child ran at the loop's priority
+# from its birth until it was lowered (by its parent right after the start, and by its own
+# first line): those first milliseconds of a new interpreter at normal priority on 2 cores
+# stretched a step of an eager MLP loop (2 intra-op threads, median 8-11 ms) to 71-161 ms,
+# in each of 5 runs; a child born in the idle class left it alone (slowest step 20-27 ms,
+# as with no child at all: 22 ms).
+# So the child is started by a short-lived thread that lowers itself first (on Linux the
+# class and niceness belong to a thread); the loop's thread never changes its own priority
+# (an unprivileged thread may not raise it back).
+def _born_low(argv, env) -> subprocess.Popen:
+    box = []
+
+    def start():
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, LOW)  # this thread (Linux: per thread)
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        except (AttributeError, OSError):
+            pass  # the child's own first line and _renice lower it
+        try:
+            box.append(_popen(argv, env))
+        except OSError as e:
+            box.append(e)
+
+    starter = threading.Thread(target=start, name="adaptive_eager-compile-start", daemon=True)
+    starter.start()
+    starter.join()
+    if isinstance(box[0], OSError):
+        raise box[0]
+    return box[0]
 
 
 def _renice(pid: int, nice: int) -> bool:

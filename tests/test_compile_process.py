@@ -328,6 +328,22 @@ def test_the_child_idles_in_the_idle_class_and_leaves_it_when_raised():
         proc.wait()
 
 
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="no idle scheduling class here")
+def test_the_child_is_born_low_and_this_thread_keeps_its_priority():
+    """Note [A child born low]: the child's first instruction already runs at the lowest
+    priority (the parent lowering it after the start, or its own first line, come late)."""
+    import subprocess
+    import sys
+
+    mine = (os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0))
+    argv = [sys.executable, "-S", "-c",
+            "import os; print(os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0))"]
+    proc = compile_process._born_low(argv, dict(os.environ))
+    out, _ = proc.communicate(timeout=60)
+    assert out.decode().split() == [str(os.SCHED_IDLE), str(compile_process.LOW)]
+    assert (os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0)) == mine
+
+
 @pytest.mark.skipif(not (hasattr(os, "SCHED_IDLE") and os.path.exists("/proc/self/task")),
                     reason="no idle scheduling class or /proc here")
 def test_the_processes_the_child_started_count_and_are_raised_with_it():
