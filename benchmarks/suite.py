@@ -60,7 +60,7 @@ def parse(argv=None):
                    help="timed rounds per mode and latency (default 5, 10 with --full)")
     p.add_argument("--full", action="store_true",
                    help="more rounds, the 0/10/50 us sweep, and up to 10 minutes of warm-up "
-                        "per engine mode for its background compiles (quick: 45 s)")
+                        "per engine mode for its background compiles (quick: 180 s)")
     p.add_argument("--json", metavar="PATH", help="write every raw figure and machine info")
     p.add_argument("--plot", metavar="PATH.png",
                    help="draw speedup vs launch latency and warm-up curves (needs matplotlib)")
@@ -102,7 +102,10 @@ def parse(argv=None):
         except ImportError:
             p.error("--plot needs matplotlib: pip install 'adaptive_eager[plot]'")
     if a.warmup_s is None:
-        a.warmup_s = 600.0 if a.full else 45.0
+        # A fresh machine compiles every graph cold: llama-train's two graphs on neuron took
+        # 40-53 s on an idle 2-core machine (one run each wrapper), longer beside other work;
+        # a 45 s cap reported that workload with its graphs still compiling.
+        a.warmup_s = 600.0 if a.full else 180.0
     return a
 
 
