@@ -18,7 +18,10 @@ Note [Host scalars]: optimizers keep ``step`` as a 0-dim CPU tensor and read it 
 mode"). On an accelerator those ops never touch the device. On the cpu device the engine
 treats them the same way: ops whose tensors are all 0-dim, on the CPU and not pending run at
 once on the host and are counted as ``ops_host``, not as launches; deferring them would only
-force a flush at the ``.item()`` that follows each one.
+force a flush at the ``.item()`` that follows each one. Random ops are never host scalars:
+they draw from the generator the segment's deferred random ops draw from, and must draw in
+program order (the fuzzer found ``rand_like`` of a 0-dim tensor drawing ahead of a deferred
+``bernoulli``: Note [The fuzzer] in tests/fidelity/fuzz.py).
 """
 
 from __future__ import annotations
@@ -154,7 +157,8 @@ class AdaptiveEagerMode(TorchDispatchMode):
             return func(*args, **kwargs)
         if _crosses_devices(tensors, kwargs):
             return self._boundary_op(func, args, kwargs, "device copy")
-        if self.host_scalars and tensors and learn.host_scalar_op(S, tensors):
+        if (self.host_scalars and tensors and not info.random
+                and learn.host_scalar_op(S, tensors)):
             if info.mutated_args and any(S.feeds(t) for t in tensors):
                 self.end_segment("host op writes a segment input")
             c.ops_host += 1
