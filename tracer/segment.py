@@ -250,10 +250,12 @@ class Segment:
         if src is None and storage.alone(t):  # an optimizer's step count, every parameter
             return False
         written = self.mutated_externals()
-        if type(src) is Ext:
-            return src.k in written
+        if type(src) is Ext and src.k in written:
+            return True
         if not written:
             return False
+        # An external the segment does not write may still be a view of one it does (a view
+        # made by a deferred view op of a written external is an external of its own).
         return self._aliases(t, written)
 
     def on_value_memory(self, tensors) -> bool:

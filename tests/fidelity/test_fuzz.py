@@ -26,6 +26,13 @@ REGRESSIONS = {
     "host scalar drew ahead": Program(
         inputs=(((4, 6), "float32", False), ((), "int32", False)),
         ops=(Op("bernoulli", (0,)), Op("rand_like", (1,)))),
+    # Backward of a copy into a view of a 0-dim value: a deferred copy_ wrote a fresh
+    # external, a deferred as_strided viewed it (an external of its own), and clone of that
+    # view ran at once as a host scalar, reading the memory before the copy (Segment.involves
+    # in tracer/segment.py).
+    "host scalar read a view of a written external": Program(
+        inputs=(((), "float32", True),),
+        ops=(Op("abs", (0,)), Op("reshape", (1,)), Op("setitem", (2, 0)))),
 }
 
 
