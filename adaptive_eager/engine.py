@@ -175,8 +175,9 @@ class Engine:
                 m.counters.tick()
 
     def _flush_for_device(self, reason: str) -> None:
-        """The program orders or waits on a device queue: launch what this thread defers."""
-        m = self.mode()
+        """The program orders or waits on a device queue: launch what this thread defers
+        (on autograd's device thread, what the mode it runs under defers)."""
+        m = self.mode_here()
         if m is not None and not m.paused:
             m.boundary(reason)
 

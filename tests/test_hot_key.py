@@ -747,3 +747,29 @@ class _nothing:
 
     def __exit__(self, *a):
         return False
+
+
+@pytest.mark.parametrize("hot_path", ["key", "cpp", "python"])
+def test_a_higher_order_op_runs_as_in_eager(monkeypatch, hot_path):
+    # Note [Higher-order ops and the key]: out_dtype (a higher-order op) raised under the
+    # engine ("could not find kernel ... at dispatch key ???" with the key engaged, "no rule
+    # registered for ... mode" without it) where eager runs it
+    import adaptive_eager as ae
+    from torch._higher_order_ops.out_dtype import out_dtype
+
+    monkeypatch.setenv("NEURON_ADAPTIVE_EAGER_HOT_PATH", hot_path)
+    a = torch.randint(-5, 5, (4, 4), dtype=torch.int8)
+    b = torch.randint(-5, 5, (4, 4), dtype=torch.int8)
+
+    def step():
+        return out_dtype(torch.ops.aten.mm.default, torch.int32, a + 1, b).sum().item()
+
+    ref = step()
+    with ae.enabled(devices=("cpu",), backend="exact"):
+        got = [step() for _ in range(5)]
+        s = ae.stats()
+    assert got == [ref] * 5
+    if hot_path != "key":  # the mode sees it: a counted boundary
+        assert s.fallbacks.get("higher-order op: out_dtype", 0) == 5, s.fallbacks
+    else:  # the key lets it through: its aten ops are the engine's as any op
+        assert s.replays >= 2, s

@@ -118,7 +118,48 @@ def engage(mode=None, action: str = "route"):
     (``route``: every op to the dispatch mode, the engine's ``hot_path`` key); ``mode``, if
     given, is called directly while it is on top of the stack. Call from Python, outside any
     op. Returns what ``disengage`` restores."""
-    return _acting(action).set_engaged(True, mode)
+    m = _acting(action)
+    _let_higher_order_ops_through(m)
+    return m.set_engaged(True, mode)
+
+
+# Note [Higher-order ops and the key]: a higher-order op (FlexAttention, ``cond``, ...) picks
+# its kernel in Python, from the thread's included keys and its tensors' keys, among the
+# kernels it has. Engaged, the thread includes our key and excludes Python, so it found only
+# our key, for which it has no kernel: ``flex_attention`` under the engine raised "could not
+# find kernel for HigherOrderOperator flex_attention at dispatch key ???" where eager runs
+# (found by the nn zoo, tests/fidelity/zoo.py). Every higher-order op lets our key fall
+# through, as it does the keys PyTorch makes each one skip: it then runs as in eager, and the
+# aten ops it runs reach our key like any other op. Ops made after the engine first engaged
+# (their modules imported later) get the same at their construction. Where a higher-order op
+# reaches the mode instead (the Python key, the other hot paths), it is a counted boundary
+# run as in eager (tracer/mode.py). FlexAttention's eager path is still refused: it calls
+# torch.compile, which traces the engine's mode (torch.compile beside the engine).
+_OUR_KEYS = None
+
+
+def _let_higher_order_ops_through(m) -> None:
+    global _OUR_KEYS
+    if _OUR_KEYS is not None:
+        return
+    from torch._ops import HigherOrderOperator, _higher_order_ops
+
+    was = m.is_on()
+    m.set_on(False)
+    off = torch._C._dispatch_tls_local_include_set()
+    m.set_on(True)
+    ours = torch._C._dispatch_tls_local_include_set() - off
+    m.set_on(was)
+    _OUR_KEYS = ours
+    for op in list(_higher_order_ops.values()):
+        op.non_fallthrough_keys = op.non_fallthrough_keys - ours
+    init = HigherOrderOperator.__init__
+
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.non_fallthrough_keys = self.non_fallthrough_keys - ours
+
+    HigherOrderOperator.__init__ = __init__
 
 
 def disengage(was) -> None:

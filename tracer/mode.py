@@ -33,6 +33,7 @@ import threading
 import time
 
 import torch
+from torch._ops import HigherOrderOperator
 from torch.utils._python_dispatch import (
     TorchDispatchMode,
     _disable_current_modes,
@@ -63,6 +64,11 @@ def _nothing() -> None:
 
 class AdaptiveEagerMode(TorchDispatchMode):
     """One per thread. ``engine`` is shared: config, compile cache, background compiler."""
+
+    # Higher-order ops (FlexAttention, out_dtype, ...) reach the mode too, with the mode
+    # popped: each is a counted boundary run as in eager (Note [Higher-order ops and the
+    # key], tracer/hot_key.py), never "no rule registered for this mode".
+    supports_higher_order_operators = True
 
     def __init__(self, engine, config):
         super().__init__()
@@ -135,6 +141,8 @@ class AdaptiveEagerMode(TorchDispatchMode):
         if self.paused:
             c.ops_passthrough += 1
             return func(*args, **kwargs)
+        if isinstance(func, HigherOrderOperator):
+            return self._boundary_op(func, args, kwargs, "higher-order op")
         info = op_info(func)
         if info.cls is OpClass.IGNORE:
             c.ops_passthrough += 1

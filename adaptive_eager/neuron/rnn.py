@@ -15,6 +15,8 @@ import time
 
 import torch
 
+from .hardware import flush
+
 __all__ = ["register"]
 
 # op (overload) -> how many of its leading arguments hold tensors or lists of tensors
@@ -25,7 +27,11 @@ _OPS = {"lstm.input": 3, "lstm.data": 4, "gru.input": 3, "gru.data": 4,
 class _OnHost(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ext, call, *tensors):
-        ext.wait("recurrent layer")  # it runs here, on the host: what is queued runs first
+        # It runs here, on the host: what is queued runs first, and what the engine defers
+        # is queued first (its hidden state may be a deferred ``zeros``: found by the nn zoo,
+        # tests/fidelity/zoo.py, an LSTM on neuron read it before it was written).
+        flush("recurrent layer")
+        ext.wait("recurrent layer")
         hosts = [ext.host_alias(t).detach().requires_grad_(t.requires_grad) for t in tensors]
         start = time.perf_counter()
         with torch.enable_grad():
@@ -40,6 +46,7 @@ class _OnHost(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         ext = ctx.ext
+        flush("recurrent layer backward")  # the incoming gradients may be deferred too
         ext.wait("recurrent layer backward")
         pairs = [(o, ext.host_alias(g)) for o, g in zip(ctx.outs, grads)
                  if g is not None and o.requires_grad]
