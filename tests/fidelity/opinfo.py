@@ -475,8 +475,17 @@ def write_results(lines, command: str, path=RESULTS, elapsed: float | None = Non
                 f"`{op}` ({n})" for op, n in sorted(table[key]["device_ops"].items())))
     if not any_device:
         lines.append("None.")
+    kept = ""  # what follows KEPT in the file (the programs' figures) is not the sweep's
+    if os.path.exists(path):
+        with open(path) as f:
+            old = f.read()
+        if KEPT in old:
+            kept = "\n" + old[old.index(KEPT):]
     with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
+        f.write("\n".join(lines) + "\n" + kept)
+
+
+KEPT = "<!-- kept by --report: the figures below are not the sweep's -->"
 
 
 # Note [Stopping a sweep]: a sweep stopped on purpose (SIGTERM, say from ``timeout``, or

@@ -397,3 +397,14 @@ def test_summary_reports_what_the_logs_report(tmp_path):
     assert "| neuron | exact | float32 | grad | 1 | 1 | 0 |" in from_summary.read_text()
     done = opinfo.summary.read(str(summary))
     assert set(done) == {opinfo._key(op, *key.values()) for op in ("a", "empty")}
+
+
+def test_the_report_keeps_the_programs_figures(tmp_path):
+    # RESULTS.md is rewritten from the sweep's record; the fuzzer's and the zoo's figures,
+    # written by hand below the marker, survive it
+    path = tmp_path / "RESULTS.md"
+    path.write_text("# old sweep figures\n" + opinfo.KEPT + "\n# Programs\n10000 programs\n")
+    opinfo.write_results({}, "python -m tests.fidelity.opinfo --report", str(path))
+    text = path.read_text()
+    assert "# old sweep figures" not in text
+    assert text.endswith(opinfo.KEPT + "\n# Programs\n10000 programs\n")
