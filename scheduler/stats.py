@@ -4,6 +4,7 @@ hot path itself increments nothing -- deferred ops are counted when their segmen
 
 from __future__ import annotations
 
+import array
 import collections
 import dataclasses
 import logging
@@ -34,6 +35,34 @@ STEP_FIELDS = ("ops_deferred", "ops_eager", "replays", "graphs_compiled", "diver
                "steps_suspended")
 
 
+class StepLog:
+    """The per-step records (``Counters.tick``), newest last, at most ``_MAX_STEPS``.
+
+    Kept as machine integers in one array, 48 bytes a step: as a deque of tuples of Python
+    ints each step cost ~160 bytes, which a long run saw as its memory growing (a small MLP
+    under ``exact``: +1.16 % RSS between steps 500 and 10,000, eager +0.31 %;
+    ``python -m benchmarks.memory``)."""
+
+    __slots__ = ("_a",)
+    _W = len(STEP_FIELDS)
+
+    def __init__(self):
+        self._a = array.array("q")
+
+    def append(self, row: tuple) -> None:
+        a = self._a
+        a.extend(row)
+        if len(a) > self._W * _MAX_STEPS:  # drop the oldest quarter at once
+            del a[:self._W * (_MAX_STEPS // 4)]
+
+    def __len__(self) -> int:
+        return len(self._a) // self._W
+
+    def __iter__(self):
+        a, w = self._a, self._W
+        return (tuple(a[i:i + w]) for i in range(0, len(a), w))
+
+
 class Counters:
     """Mutable per-thread counters. Attribute names match ``Stats`` fields."""
 
@@ -49,7 +78,7 @@ class Counters:
         self.compile_seconds = 0.0
         # ("fallback" | "boundary", reason) -> Counter of user lines (Note [Where events happen])
         self.where: dict = {}
-        self.steps = collections.deque(maxlen=_MAX_STEPS)
+        self.steps = StepLog()
         # the owning thread: user lines of ops autograd runs on its worker threads are found
         # there (kept across resets)
         self.thread = getattr(self, "thread", None)

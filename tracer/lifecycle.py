@@ -39,7 +39,11 @@ the root and goes hot on its own if it repeats, and the longer paths through the
 retire. So a path that keeps diverging costs one extra launch, counted with its reason (the
 op, the node and both user lines), instead of a flush and a cold run every step; cuts are
 never undone, so the trie stops growing there. A rare branch is not cut: it turns hot after
-``hot_threshold`` runs and no longer diverges.
+``hot_threshold`` runs and no longer diverges. Nor are many branches warming up in turn: a
+divergence into a child seen fewer than ``hot_threshold`` times does not count (a loop over
+8 batch sizes, whose first op, the weight's transpose, is shared: each size diverged there
+on its way to hot, and the third cut every path after that first op, the step then ran as
+a launch of one op and a cold rest, 5x eager).
 
 Note [Shape families]: a path's signature holds its shapes, so a decode step with a cache
 that grows by one token each step is a new path at every length, each with its own compile.

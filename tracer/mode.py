@@ -224,7 +224,7 @@ class AdaptiveEagerMode(TorchDispatchMode):
                 self.end_segment("boundary op")
             self.counters.fallback(child.blocked)
             return res
-        if S.hot and self._diverge(func):  # the path is cut here: start a new segment
+        if S.hot and self._diverge(func, child):  # the path is cut here: start a new segment
             return self._step(func, info, args, kwargs, tensors)
         if S.n_ops == 0:
             S.t0 = time.perf_counter()
@@ -287,18 +287,21 @@ class AdaptiveEagerMode(TorchDispatchMode):
 
     # ------------------------------------------------------------------ segment ends
 
-    def _diverge(self, func) -> bool:
+    def _diverge(self, func, child) -> bool:
         """The op follows no hot child: launch the deferred prefix, continue cold.
 
         Returns True when the node has now diverged too often and the path is cut after it
         (Note [Cuts] in tracer.lifecycle): the segment has ended and the op starts a new one.
+        A divergence into a child seen fewer than ``hot_threshold`` times is a branch on its
+        way to hot and does not count toward the cut.
         """
         S = self.seg
         node = S.node
         self.counters.fallback("diverged from the hot path")
         if self.debug >= 3:
             log.debug("diverged after %s at depth %d", node.spec.func, node.depth)
-        node.diverged += 1
+        if child is None or child.visits >= self.config.hot_threshold:
+            node.diverged += 1
         if not node.cut and node.diverged >= self.config.divergence_limit:
             lifecycle.cut(self, node, func, _user_line(1, self.thread))
         if node.cut:

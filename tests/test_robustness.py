@@ -1,0 +1,179 @@
+"""Robustness: threads training at once, long runs that must not grow, shapes that churn,
+interrupts and faults, bad settings. Counts are asserted, never times."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import adaptive_eager as ae
+import adaptive_eager.neuron  # noqa: F401 -- registers the device before any backward()
+from conftest import Delta
+
+
+def _model(seed: int, device: str):
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.LayerNorm(32), nn.Linear(32, 4))
+    m = m.to(device)
+    x, y = torch.randn(8, 16).to(device), torch.randn(8, 4).to(device)
+    return m, torch.optim.AdamW(m.parameters(), lr=1e-2), x, y
+
+
+def _train(m, opt, x, y, steps: int) -> list:
+    losses = []
+    for _ in range(steps):
+        loss = F.mse_loss(m(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("device", ["cpu", "neuron"])
+def test_four_threads_train_independent_models_as_eager(device):
+    steps, seeds = 15, (1, 2, 3, 4)
+    want = {}
+    for s in seeds:
+        m, opt, x, y = _model(s, device)
+        want[s] = (_train(m, opt, x, y, steps), [p.detach().cpu() for p in m.parameters()])
+    models = {s: _model(s, device) for s in seeds}
+    got, errors, replays = {}, [], []
+    start = threading.Barrier(len(seeds))
+
+    def work(s):
+        try:
+            m, opt, x, y = models[s]
+            with ae.enabled(devices=(device,), backend="exact"):
+                start.wait()  # all four at once
+                losses = _train(m, opt, x, y, steps)
+                replays.append(ae.stats().replays)
+            got[s] = (losses, [p.detach().cpu() for p in m.parameters()])
+        except BaseException as e:  # noqa: BLE001 -- reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in seeds]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    for s in seeds:
+        assert got[s][0] == want[s][0], s  # every loss bitwise
+        for a, b in zip(got[s][1], want[s][1]):
+            assert torch.equal(a, b), s
+    assert min(replays) > 0, replays  # each thread went hot
+
+
+def test_a_long_run_keeps_its_counts_flat():
+    # live tensors, trie nodes, cached graphs and retained segments stay flat once hot: a
+    # loop of 400 steps holds the same numbers at step 100 as at step 400
+    from adaptive_eager.engine import ENGINE
+
+    m, opt, x, y = _model(0, "cpu")
+
+    def counts():
+        gc.collect()
+        mode = ENGINE.mode()
+        live = sum(1 for o in gc.get_objects() if type(o) in (torch.Tensor, nn.Parameter))
+        return live, mode.n_nodes, len(ENGINE.cache), len(mode.seg.outw)
+
+    with ae.enabled(devices=("cpu",), backend="exact"):
+        _train(m, opt, x, y, 100)
+        at_100 = counts()
+        d = Delta()
+        _train(m, opt, x, y, 300)
+        at_400 = counts()
+        assert d.replays >= 300
+    assert at_400 == at_100, (at_100, at_400)
+
+
+def _chain_step(n: int, w):
+    x = torch.arange(n * 8, dtype=torch.float32).reshape(n, 8) / 100
+    return ((x * w).tanh() + 1).sum().item()
+
+
+def test_fifty_shapes_compile_within_the_variant_budget(monkeypatch):
+    # Note [Shape families]: a loop whose batch size takes 50 values compiles at most the
+    # variant budget's graphs; the other sizes replay exactly, counted, with eager's values
+    from adaptive_eager.engine import ENGINE
+
+    monkeypatch.setenv("NEURON_ADAPTIVE_EAGER_VARIANTS", "3")
+    w = torch.randn(8)
+    sizes = list(range(1, 51))
+    want = [_chain_step(n, w) for n in sizes]
+    with ae.enabled(devices=("cpu",), backend="inductor"):
+        d = Delta()
+        for _ in range(3):  # each size twice to go hot, a third time replayed
+            got = [_chain_step(n, w) for n in sizes]
+            assert all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(got, want))
+        ENGINE.wait_compiles(timeout=300)
+        for n in sizes:
+            _chain_step(n, w)
+        over = sum(v for k, v in d.fallbacks.items() if "over the variant budget" in k)
+        assert d.graphs_compiled == 3, d.graphs_compiled
+        assert over >= 47, d.fallbacks  # one per size past the budget, at least
+        assert d.replays >= 2 * 50, d.replays  # every size replays, fused or exactly
+        nodes = ENGINE.mode().n_nodes
+        for n in sizes:  # the same sizes again: nothing new is learned
+            _chain_step(n, w)
+        assert ENGINE.mode().n_nodes == nodes
+
+
+def test_a_bucketed_loop_is_hot_on_every_bucket():
+    w = torch.randn(8)
+    buckets = [8, 16, 24, 32, 40, 48, 56, 64]
+    want = [_chain_step(n, w) for n in buckets]
+    with ae.enabled(devices=("cpu",), backend="exact"):
+        for _ in range(2):
+            for n in buckets:
+                _chain_step(n, w)
+        d = Delta()
+        for _ in range(5):
+            assert [_chain_step(n, w) for n in buckets] == want
+        assert d.replays == 5 * len(buckets), d.replays
+        assert d.segments == d.replays  # each step one replayed segment, none cold
+
+
+def test_the_step_log_is_bounded_and_compact(monkeypatch):
+    from adaptive_eager.scheduler import stats
+
+    monkeypatch.setattr(stats, "_MAX_STEPS", 8)
+    log = stats.StepLog()
+    for i in range(20):
+        log.append((i, 2 * i, 0, 0, 0, 1))
+    rows = list(log)
+    assert 6 <= len(log) == len(rows) <= 8  # the oldest dropped, a quarter at a time
+    assert rows[-1] == (19, 38, 0, 0, 0, 1) and rows[0][0] == 20 - len(rows)
+    assert log._a.itemsize * len(log._a) == 8 * 6 * len(log)  # 48 bytes a step
+
+
+def test_a_bucketed_training_loop_is_not_cut_while_its_buckets_warm_up():
+    # Note [Cuts]: every bucket's step shares its first op (the weight's transpose), and
+    # each diverged there on its way to hot; the third divergence cut every path after that
+    # op, and the steps then ran as a launch of one op and a cold rest
+    def make():
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+        return m, torch.optim.SGD(m.parameters(), lr=0.1)
+
+    buckets = [4, 8, 12, 16, 20, 24, 28, 32]
+    data = {n: (torch.randn(n, 16), torch.randn(n, 4)) for n in buckets}
+
+    def rounds(m, opt, k):
+        return [_train(m, opt, *data[n], 1)[0] for _ in range(k) for n in buckets]
+
+    want = rounds(*make(), 5)
+    m, opt = make()
+    with ae.enabled(devices=("cpu",), backend="exact"):
+        got = rounds(m, opt, 2)
+        d = Delta()
+        got += rounds(m, opt, 3)
+        assert not [k for k in ae.stats().fallbacks if k.startswith("path cut")]
+        assert d.replays == 3 * len(buckets), (d.replays, d.fallbacks)
+    assert got == want
