@@ -3,9 +3,10 @@
     python -m benchmarks.churn [--device cpu] [--backend inductor] [--rounds 6]
 
 ``churn``: an MLP training step (AdamW) whose batch size cycles through 50 values in a fixed
-shuffled order, ``--rounds`` times over. ``buckets``: the same with 8 sizes. Eager runs the
-same steps first. After warm-up (the first two rounds, and the engine's background compiles
-done), each size's median step under the engine is set against eager's: the table gives the
+shuffled order, ``--rounds`` times over. ``buckets``: the same with 8 sizes; ``one size``:
+the step with one size, the engine's cost with no churn. Eager runs the same steps first.
+After warm-up (the first three rounds, and the engine's background compiles done), each
+size's median step under the engine is set against eager's: the table gives the
 worst and the median of those ratios, the fused graphs compiled (at most the variant budget,
 NEURON_ADAPTIVE_EAGER_VARIANTS, per family), the sizes past the budget (replayed exactly),
 and the trie's nodes after warm-up and at the end (the same: nothing is relearned). The
@@ -20,6 +21,11 @@ import random
 import statistics
 import sys
 import time
+
+
+# Rounds of warm-up: the first step differs (AdamW makes its state), the next two make each
+# size's path hot and request its compile, which is waited for before the third.
+WARM = 3
 
 
 def _loop(sizes, rounds, device, engine_cfg):
@@ -42,7 +48,7 @@ def _loop(sizes, rounds, device, engine_cfg):
     ctx = ae.enabled(**engine_cfg) if engine_cfg else contextlib.nullcontext()
     with ctx:
         for r in range(rounds):
-            if r == 2 and engine_cfg:
+            if r == WARM and engine_cfg:
                 ENGINE.wait_compiles(timeout=600)
                 nodes.append(ENGINE.mode().n_nodes)
             for n in sizes:
@@ -53,7 +59,7 @@ def _loop(sizes, rounds, device, engine_cfg):
                 loss.backward()
                 opt.step()
                 loss.item()
-                if r >= 2:
+                if r >= WARM:
                     times[n].append(time.perf_counter() - t)
         s = ae.stats() if engine_cfg else None
         if engine_cfg:
@@ -67,7 +73,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu", choices=("cpu", "neuron"))
     p.add_argument("--backend", default="inductor", choices=("exact", "inductor"))
-    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--rounds", type=int, default=8)
     a = p.parse_args(argv)
     import torch
 
@@ -77,7 +83,8 @@ def main(argv=None) -> int:
     rng = random.Random(0)
     churn = list(range(8, 8 + 50 * 3, 3))
     rng.shuffle(churn)
-    loops = {"churn (50 sizes)": churn, "buckets (8 sizes)": [16, 32, 48, 64, 80, 96, 112, 128]}
+    loops = {"churn (50 sizes)": churn, "buckets (8 sizes)": [16, 32, 48, 64, 80, 96, 112, 128],
+             "one size": [64] * 8}
     print(f"{a.device}, {a.backend}, {a.rounds} rounds, torch {torch.__version__}")
     print("| loop | eager median step ms | worst size: engine / eager | median size: engine / "
           "eager | graphs compiled | sizes past the budget | trie nodes after warm-up / end |")

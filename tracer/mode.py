@@ -205,10 +205,11 @@ class AdaptiveEagerMode(TorchDispatchMode):
             return self._boundary_op(func, args, kwargs, u.args[0])
         child = node.children.get(op.key)
         if child is not None and child.hot and (S.hot or node.depth == 0):
-            if node.hot_next is not child:
-                node.hot_next = child
-                if node.depth:  # plans pass below the root only (tracer.hot_plan)
-                    trie.changed()
+            # Plans are kept per first child (tracer.hot_plan), so another branch taken here
+            # needs no new plans: one through the old branch hands back at its first
+            # unexpected op. (Bumping trie.epoch here rebuilt every plan at every step of a
+            # loop whose batch size changes each step: benchmarks.churn.)
+            node.hot_next = child
             r = child.fast(args, kwargs, S)
             if r is MISS and S.n_same != n_same:
                 # a value's twin among the arguments (Note [Memory of a value])
