@@ -20,9 +20,12 @@ def autoload() -> None:
     try:
         from .config import from_env
 
-        values, errors = from_env()
-        if errors:
-            sys.stderr.write(f"{errors[0]}; running plain eager\n")
+        # the engine's settings; the device names its own bad ones when it registers
+        values, errors = from_env(engine_only=True)
+        if errors:  # one line per bad variable; the program runs plain eager
+            for line in errors:
+                sys.stderr.write(f"{line}; running plain eager\n")
+            _device_only(values)
             return
         if not values.get("autoload"):
             return
@@ -34,3 +37,19 @@ def autoload() -> None:
             f"adaptive_eager: could not enable the engine ({type(e).__name__}: {e}); "
             "running plain eager\n"
         )
+
+
+def _device_only(values: dict) -> None:
+    """The engine stays off, but a program written for the neuron device must still find it:
+    the emulated device registers, as it would have with the engine on."""
+    from .config import _BY_FIELD
+
+    if "neuron" not in values.get("devices", _BY_FIELD["devices"].default):
+        return
+    try:
+        from . import neuron
+
+        neuron.ensure()
+    except Exception as e:  # never break `import torch`
+        sys.stderr.write(f"adaptive_eager: the emulated neuron device did not register "
+                         f"({type(e).__name__}: {e})\n")

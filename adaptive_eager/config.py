@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 
 __all__ = ["Config", "ConfigError", "VARIABLES", "from_env", "resolve", "setting"]
 
@@ -194,11 +195,14 @@ def _parse(var: Var, value: object, name: str):
     return num
 
 
-def from_env(environ=None) -> tuple[dict, list[str]]:
-    """Read every declared variable once. Returns (field -> value for the set ones, errors)."""
+def from_env(environ=None, engine_only: bool = False) -> tuple[dict, list[str]]:
+    """Read every declared variable once (``engine_only``: the engine's, not the emulated
+    device's). Returns (field -> value for the set ones, errors)."""
     environ = os.environ if environ is None else environ
     values, errors = {}, []
     for var in VARIABLES:
+        if engine_only and not var.engine:
+            continue
         raw = environ.get(var.env)
         if raw is None or (raw == "" and var.kind != "bool"):
             continue
@@ -209,13 +213,20 @@ def from_env(environ=None) -> tuple[dict, list[str]]:
     return values, errors
 
 
-def setting(field: str):
-    """One setting's value from the environment, else its default; ConfigError if bad."""
+def setting(field: str, lenient: bool = False):
+    """One setting's value from the environment, else its default; ConfigError if bad (with
+    ``lenient``, the default, and the error as one line on stderr)."""
     var = _BY_FIELD[field]
     raw = os.environ.get(var.env)
     if raw is None or raw == "":
         return var.default
-    return _parse(var, raw, var.env)
+    try:
+        return _parse(var, raw, var.env)
+    except ConfigError as e:
+        if not lenient:
+            raise
+        sys.stderr.write(f"{e}; using {var.default!r}\n")
+        return var.default
 
 
 def resolve(**keywords) -> Config:
@@ -223,7 +234,7 @@ def resolve(**keywords) -> Config:
 
     Raises ConfigError (a ValueError) for a bad keyword or a bad environment value.
     """
-    env_values, errors = from_env()
+    env_values, errors = from_env(engine_only=True)  # the device reads its own settings
     if errors:
         raise ConfigError(errors[0])
     fields = {k: v for k, v in env_values.items() if k != "autoload" and _BY_FIELD[k].engine}

@@ -51,3 +51,27 @@ def test_bad_switch_value(tmp_path):
     r = run(tmp_path, NEURON_ADAPTIVE_EAGER="yes please")
     assert r.returncode == 0 and "ENGAGED False" in r.stdout
     assert len(r.stderr.strip().splitlines()) == 1 and "'yes please'" in r.stderr
+
+
+def test_every_variable_given_garbage_is_one_line_and_the_program_runs(tmp_path):
+    # every setting at once: one line for each naming its value and the accepted ones; the
+    # program runs plain eager, on the neuron device it was written for
+    from adaptive_eager.config import VARIABLES
+
+    path = tmp_path / "device.py"
+    path.write_text(textwrap.dedent("""
+        import torch
+        x = torch.ones(3, device="neuron")
+        print("VALUE", (x * 2).sum().item())
+    """))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_")}
+    env.update({v.env: "garbage!" for v in VARIABLES})
+    r = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "VALUE 6.0" in r.stdout
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == len(VARIABLES), lines
+    for v in VARIABLES:
+        mine = [line for line in lines if f"{v.env}='garbage!'" in line]
+        assert len(mine) == 1 and "accepted:" in mine[0], (v.env, lines)

@@ -24,22 +24,28 @@ _EMULATED: bool | None = None
 _NATIVE = False  # the emulated device is the C++ backend (NEURON_EMULATOR_IMPL=cpp)
 
 
-def ensure() -> bool:
-    """Register the device if it is not yet; returns True when it is the emulated one."""
+def ensure(lenient: bool = False) -> bool:
+    """Register the device if it is not yet; returns True when it is the emulated one.
+
+    A bad ``NEURON_EMULATOR_*`` value raises ConfigError, or with ``lenient`` (as at import:
+    a program run with no code change must not stop there) takes that setting's default and
+    says so in one line."""
     global _EMULATED, _NATIVE
     if _EMULATED is None:
+        impl = config.setting("emulator_impl", lenient=lenient)
+        launch_us = config.setting("emulator_launch_us", lenient=lenient)
         if _torchneuronx.available():
             _torchneuronx.adopt()
             _EMULATED = False
-        elif config.setting("emulator_impl") == "cpp":
+        elif impl == "cpp":
             from . import native
 
-            native.register(config.setting("emulator_launch_us"))
+            native.register(launch_us)
             _EMULATED = _NATIVE = True
         else:
             from . import emulator
 
-            emulator.register(config.setting("emulator_launch_us"))
+            emulator.register(launch_us)
             _EMULATED = True
         if _EMULATED:
             from . import collectives
@@ -112,4 +118,4 @@ def set_launch_latency_us(us: float, index: int = 0) -> None:
     _device(index).set_latency(float(us))
 
 
-ensure()
+ensure(lenient=True)
