@@ -117,7 +117,11 @@ def _read(stream) -> bytes | None:
 # child's start-up (importing torch and Inductor, ~2 CPU-seconds, during the loop's second
 # step) still slowed llama-train's second step from ~28 ms to 110-215 ms on 2 cores with 2
 # intra-op threads; in the idle class 26-136 ms (cpu, 3 runs each).
-_CHILD_NORMAL = ("import runpy\n"
+# Ctrl-C in a terminal signals the whole process group: the child ignores it, so a program
+# that catches the KeyboardInterrupt (a notebook's interrupt button) keeps its compiles
+# (Note [Interrupts wait for the launch], scheduler.interrupts); it ends with its parent.
+_CHILD_NORMAL = ("import runpy, signal\n"
+                 "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
                  "runpy.run_module('adaptive_eager.scheduler.compile_child', "
                  "run_name='__main__')\n")
 _CHILD = ("import os\n"

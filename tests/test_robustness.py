@@ -177,3 +177,66 @@ def test_a_bucketed_training_loop_is_not_cut_while_its_buckets_warm_up():
         assert not [k for k in ae.stats().fallbacks if k.startswith("path cut")]
         assert d.replays == 3 * len(buckets), (d.replays, d.fallbacks)
     assert got == want
+
+
+@pytest.mark.parametrize("hot_path", ["key", "cpp", "python"])
+def test_an_interrupt_during_a_replay_waits_for_it(monkeypatch, hot_path):
+    # Note [Interrupts wait for the launch]: a SIGINT arriving while a step's ops replay at
+    # loss.item() raises KeyboardInterrupt there once the whole step has run, so training
+    # goes on from eager's state; before, the replay stopped midway and every later loss
+    # and the parameters differed from eager's
+    import os
+    import signal
+    import sys
+
+    monkeypatch.setenv("NEURON_ADAPTIVE_EAGER_HOT_PATH", hot_path)
+    m, opt, x, y = _model(0, "cpu")
+    want = _train(m, opt, x, y, 8)
+    want_params = [p.detach().clone() for p in m.parameters()]
+    m, opt, x, y = _model(0, "cpu")
+    lines = [0]
+
+    def in_replay(frame, event, arg):  # the interrupt lands at the 3rd line of the replay
+        if event == "line":
+            lines[0] += 1
+            if lines[0] == 3:
+                os.kill(os.getpid(), signal.SIGINT)
+        return in_replay
+
+    def tracer(frame, event, arg):
+        return in_replay if "replay" in frame.f_code.co_filename else None
+
+    got = []
+    with ae.enabled(devices=("cpu",), backend="exact"):
+        for i in range(8):
+            if i == 4:
+                sys.settrace(tracer)
+            try:
+                got += _train(m, opt, x, y, 1)
+            except KeyboardInterrupt:
+                got.append("interrupted")
+            finally:
+                sys.settrace(None)
+    assert lines[0] >= 3  # the step replayed, and the signal came in the middle of it
+    assert got == want[:4] + ["interrupted"] + want[5:]
+    assert all(torch.equal(p, q) for p, q in zip(m.parameters(), want_params))
+
+
+def test_the_compile_child_ignores_ctrl_c():
+    # Ctrl-C signals the whole process group: the compile child lives on
+    import os
+    import signal
+    import time
+
+    from adaptive_eager.scheduler import compile_process
+
+    child = compile_process.CompileProcess()
+    proc = child._start()
+    try:
+        time.sleep(2)  # its first line has run
+        os.kill(proc.pid, signal.SIGINT)
+        time.sleep(1)
+        assert proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait()

@@ -40,6 +40,7 @@ from torch.utils._python_dispatch import (
     _get_current_dispatch_mode_stack,
 )
 
+from adaptive_eager.scheduler import interrupts
 from adaptive_eager.scheduler import launch as _launch
 from adaptive_eager.scheduler import storage
 from adaptive_eager.scheduler.program import Val
@@ -308,16 +309,22 @@ class AdaptiveEagerMode(TorchDispatchMode):
         if node.cut:
             self.end_segment("path cut")
             return True
-        try:
-            _launch.mark("diverged")
-            self._launch(node)
-        finally:
-            S.drop_deferred()
-        node.ends += 1
+        with interrupts.held():  # Note [Interrupts wait for the launch]
+            try:
+                _launch.mark("diverged")
+                self._launch(node)
+            finally:
+                S.drop_deferred()
+            node.ends += 1
         return False
 
     def end_segment(self, reason: str) -> None:
-        """A boundary: launch what is deferred, count the end, start a new segment."""
+        """A boundary: launch what is deferred, count the end, start a new segment (whole:
+        Note [Interrupts wait for the launch], scheduler.interrupts)."""
+        with interrupts.held():
+            self._end_segment(reason)
+
+    def _end_segment(self, reason: str) -> None:
         self.settle()
         S = self.seg
         node = S.node
