@@ -51,16 +51,33 @@ def build_dir(name: str, files) -> Path:
     return Path(root) / f"{name}-{torch.__version__}-{digest.hexdigest()[:12]}"
 
 
+class BuildError(RuntimeError):
+    """An extension could not be built or loaded; the message is one line and says why."""
+
+
 def build(name: str, sources, headers=(), *, who: str, what: str, instead: str):
     """Build (if needed) and load the extension ``adaptive_eager_<name>``.
 
     ``who`` prefixes messages (``adaptive_eager.neuron``), ``what`` names the extension in
-    them (``the C++ device``), ``instead`` says what to set without a toolchain.
+    them (``the C++ device``), ``instead`` says what to set without a toolchain. Raises
+    ``BuildError`` (one line) when it cannot: no compiler or ninja, a build directory that
+    cannot be written (a full disk, a read-only home), a failed compile.
     """
+    try:
+        return _build(name, sources, headers, who=who, what=what, instead=instead)
+    except BuildError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- said in one line, with what to do instead
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise BuildError(f"{who}: {what} could not be built ({type(e).__name__}: {first}); "
+                         f"{instead}") from e
+
+
+def _build(name: str, sources, headers=(), *, who: str, what: str, instead: str):
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
-        raise RuntimeError(f"{who}: {what} needs a C++ compiler and {compiler!r} is not on "
-                           f"PATH; install g++ (e.g. apt install g++), or {instead}")
+        raise BuildError(f"{who}: {what} needs a C++ compiler and {compiler!r} is not on "
+                         f"PATH; install g++ (e.g. apt install g++), or {instead}")
     from torch.utils import cpp_extension
 
     if shutil.which("ninja") is None:
@@ -71,8 +88,8 @@ def build(name: str, sources, headers=(), *, who: str, what: str, instead: str):
         except ImportError:
             pass
     if not cpp_extension.is_ninja_available():
-        raise RuntimeError(f"{who}: {what} is built with ninja, which is not on PATH; install "
-                           f"it (pip install ninja, or apt install ninja-build), or {instead}")
+        raise BuildError(f"{who}: {what} is built with ninja, which is not on PATH; install "
+                         f"it (pip install ninja, or apt install ninja-build), or {instead}")
     sources = [str(s) for s in sources]
     where = build_dir(name, [*sources, *headers])
     # One build and load per process: threads enabling the engine at once (each thread has

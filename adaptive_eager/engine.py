@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import atexit
 import collections
+import dataclasses
 import logging
+import sys
 import threading
 import weakref
 
@@ -42,6 +44,7 @@ class Engine:
         self.n_paths = 0
         self._hooked = False
         self._lock = threading.Lock()
+        self._build_failed = None  # why the compiled hot path could not be built, once said
 
     # ---------------------------------------------------------------- per-thread mode
 
@@ -67,6 +70,7 @@ class Engine:
 
     def enable(self, config: Config) -> None:
         _set_debug(config.debug)
+        wanted, config = config.hot_path, self._buildable(config)
         set_depth(config.queue_depth)
         if "neuron" in config.devices:  # the device must exist before the program names it
             from . import neuron
@@ -100,6 +104,8 @@ class Engine:
             with self._lock:
                 self.counters.append(m.counters)
                 self.modes.add(m)
+        if config.hot_path != wanted:
+            m.counters.fallback(f"hot path in Python: {self._build_failed}")
         if getattr(self.local, "active", False):
             if not m.governor.release(m):  # aside on a changed stack: enter afresh
                 m.__enter__()
@@ -116,6 +122,26 @@ class Engine:
         self.local.active = True
         self._engage(config.hot_path == "key")
         readguard.count_reads(self, True)
+
+    def _buildable(self, config: Config) -> Config:
+        """``config``, or where the compiled hot path cannot be built here (no compiler, an
+        unwritable or full disk) the same with the Python hot path: said in one line once,
+        counted at each enable."""
+        if config.hot_path == "python":
+            return config
+        from adaptive_eager.cpp_build import BuildError
+        from adaptive_eager.tracer import hot_key, native
+
+        try:
+            native.load()
+            if config.hot_path == "key":
+                hot_key.load()
+            return config
+        except BuildError as e:
+            if self._build_failed is None:
+                sys.stderr.write(f"{e}; the engine's hot path runs in Python\n")
+            self._build_failed = str(e)
+        return dataclasses.replace(config, hot_path="python")
 
     def engage_key(self, mode, on: bool) -> None:
         """The governor's: the key off while ``mode`` (this thread's) steps aside, back on

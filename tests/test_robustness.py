@@ -240,3 +240,60 @@ def test_the_compile_child_ignores_ctrl_c():
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_an_unwritable_cache_is_said_and_the_program_trains_as_eager(tmp_path):
+    # the build directory cannot be written (a full disk, a read-only home): the C++ device
+    # and the compiled hot path cannot be built; each is said in one line, and the program
+    # trains as eager with the engine on (the Python device, the Python hot path). (An
+    # unwritable Inductor cache fails plain PyTorch itself: importing torch._dynamo makes
+    # its directory.)
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import sys, torch, torch.nn as nn, torch.nn.functional as F
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.LayerNorm(32), nn.Linear(32, 4))
+        x, y = torch.randn(8, 16), torch.randn(8, 4)
+        for _ in range(8):
+            loss = F.mse_loss(m(x), y)
+            loss.backward()
+            with torch.no_grad():
+                for p in m.parameters():
+                    p -= 0.1 * p.grad
+                    p.grad = None
+            print("LOSS", loss.item().hex())
+        print("NEURON", (torch.ones(4, device="neuron") * 2).sum().item())
+        s = sys.modules["adaptive_eager"].stats()
+        print("REPLAYS", s.replays)
+    """))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NEURON_", "XDG_CACHE"))}
+    env.update(NEURON_ADAPTIVE_EAGER="1", NEURON_ADAPTIVE_EAGER_DEVICES="cpu,neuron",
+               NEURON_ADAPTIVE_EAGER_BACKEND="exact", NEURON_ADAPTIVE_EAGER_SUSPEND_RATIO="0",
+               XDG_CACHE_HOME="/dev/null/cache")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = dict(line.split(" ", 1) for line in r.stdout.splitlines() if " " in line)
+    assert out["NEURON"] == "8.0" and int(out["REPLAYS"]) > 0, r.stdout
+    lines = r.stderr.strip().splitlines()
+    assert any("the C++ device could not be built" in line for line in lines), lines
+    assert any("the compiled hot path could not be built" in line for line in lines), lines
+    torch.manual_seed(0)  # plain eager, the same loop
+    m = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.LayerNorm(32), nn.Linear(32, 4))
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    want = []
+    for _ in range(8):
+        loss = F.mse_loss(m(x), y)
+        loss.backward()
+        with torch.no_grad():
+            for p in m.parameters():
+                p -= 0.1 * p.grad
+                p.grad = None
+        want.append(loss.item().hex())
+    got = [line.split()[1] for line in r.stdout.splitlines() if line.startswith("LOSS")]
+    assert got == want

@@ -15,7 +15,10 @@ time) are read with ``counters()``; ``set_launch_latency_us()`` changes the mode
 
 from __future__ import annotations
 
+import sys
+
 from .. import config
+from ..cpp_build import BuildError
 from . import _torchneuronx
 
 __all__ = ["is_emulated", "is_native", "counters", "reset_counters", "set_launch_latency_us", "ensure"]
@@ -27,9 +30,10 @@ _NATIVE = False  # the emulated device is the C++ backend (NEURON_EMULATOR_IMPL=
 def ensure(lenient: bool = False) -> bool:
     """Register the device if it is not yet; returns True when it is the emulated one.
 
-    A bad ``NEURON_EMULATOR_*`` value raises ConfigError, or with ``lenient`` (as at import:
-    a program run with no code change must not stop there) takes that setting's default and
-    says so in one line."""
+    A bad ``NEURON_EMULATOR_*`` value raises ConfigError, and a C++ device that cannot be
+    built raises BuildError; with ``lenient`` (as at import: a program run with no code change
+    must not stop there) the setting takes its default and the Python device stands in, each
+    said in one line."""
     global _EMULATED, _NATIVE
     if _EMULATED is None:
         impl = config.setting("emulator_impl", lenient=lenient)
@@ -37,16 +41,22 @@ def ensure(lenient: bool = False) -> bool:
         if _torchneuronx.available():
             _torchneuronx.adopt()
             _EMULATED = False
-        elif impl == "cpp":
-            from . import native
-
-            native.register(launch_us)
-            _EMULATED = _NATIVE = True
         else:
-            from . import emulator
+            if impl == "cpp":
+                from . import native
 
-            emulator.register(launch_us)
-            _EMULATED = True
+                try:
+                    native.register(launch_us)
+                    _EMULATED = _NATIVE = True
+                except BuildError as e:  # no compiler, an unwritable or full disk, ...
+                    if not lenient:
+                        raise
+                    sys.stderr.write(f"{e}; using the Python device\n")
+            if not _NATIVE:
+                from . import emulator
+
+                emulator.register(launch_us)
+                _EMULATED = True
         if _EMULATED:
             from . import collectives
 
