@@ -5,8 +5,8 @@
 Each row is one fresh process per mode (so that peaks are each its own): the resident set
 (RSS, from ``/proc/self/statm``) after ``--from`` steps and after the last, its growth
 between them, the peak RSS (``ru_maxrss``), the live tensors at both points, and for the
-engine the trie's nodes and the graphs it made (exact replays included) at both. The engine's own figures
-must stay flat once it is hot; its peak is set against eager's.
+engine the trie's nodes and the graphs it made (exact replays included) at both. The
+engine's own figures must stay flat once it is hot; its peak is set against eager's.
 """
 
 from __future__ import annotations
