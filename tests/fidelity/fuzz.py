@@ -266,11 +266,11 @@ def check(program: Program, device: str, backend: str = "exact"):
     for it, (g, w) in enumerate(zip(got, want)):
         where = f"iteration {it}"
         if w[0] == "error" or g[0] == "error":
-            if g != w:
-                raise Mismatch(f"{where}: {g[1:] if g[0] == 'error' else 'ran'} where eager "
-                               f"raised at {w[1:]}" if w[0] == "error" else
-                               f"{where}: raised {g[1:]} where eager ran")
-            continue
+            if g == w:
+                continue
+            got_what = f"raised {g[1:]}" if g[0] == "error" else "ran"
+            want_what = f"raised {w[1:]}" if w[0] == "error" else "ran"
+            raise Mismatch(f"{where}: {got_what} where eager {want_what}")
         for part, gs, ws in zip(("value", "input", "grad"), g, w):
             for k, (a, b) in enumerate(zip(gs, ws)):
                 at = f"{where}, {part} {k}"
