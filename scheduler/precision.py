@@ -19,7 +19,8 @@ acos's and asin's gradients), ldexp (eager rounds ``2 ** other`` to 16 bits befo
 multiplies, Inductor multiplies in float32: a 16-bit ulp apart, more in its gradients), the
 backwards of reflection padding, of unfold (col2im) and of max pooling, which sum
 overlapping gradients in another order (bf16 and fp16 gradients beyond tolerance; max_pool2d:
-a bf16 ulp at one element of 7 of 1,440 samples), and
+a bf16 ulp at one element of 7 of 1,440 samples), the gradients of glu, binary_cross_entropy
+and dist in fp16 and of polygamma in bf16 (a 16-bit ulp or a few, at some elements), and
 the matrix products, which Inductor turns into a
 16-bit multiply and a sum when a dimension is small, where eager accumulates in float32 and
 rounds once.
@@ -125,6 +126,8 @@ _OPS_16BIT = (
     aten.reflection_pad1d_backward.default, aten.reflection_pad2d_backward.default,
     aten.reflection_pad3d_backward.default, aten.col2im.default,
     aten.max_pool2d_with_indices_backward.default, aten.max_pool3d_with_indices_backward.default,
+    aten.glu.default, aten.glu_backward.default, aten.binary_cross_entropy.default,
+    aten.binary_cross_entropy_backward.default, aten.dist.default, aten.polygamma.default,
 )
 # In graphs holding a 16-bit value: op -> what the trace calls for it (eager's kernel)
 EAGER_16BIT = {op: _eager_kernel(op) for op in _OPS_16BIT}
