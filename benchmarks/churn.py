@@ -8,9 +8,10 @@ the step with one size, the engine's cost with no churn. Eager runs the same ste
 After warm-up (the first three rounds, and the engine's background compiles done), each
 size's median step under the engine is set against eager's: the table gives the
 worst and the median of those ratios, the fused graphs compiled (at most the variant budget,
-NEURON_ADAPTIVE_EAGER_VARIANTS, per family), the sizes past the budget (replayed exactly),
-and the trie's nodes after warm-up and at the end (the same: nothing is relearned). The
-governor is off: the engine's own figures.
+NEURON_ADAPTIVE_EAGER_VARIANTS, per family: its last is one graph for every batch size,
+Note [Family graphs]), the sizes past the budget that replay exactly, and the trie's nodes
+after warm-up and at the end (the same: nothing is relearned). The governor is off: the
+engine's own figures. ``--verbose`` adds each size's ratio and the engine's fallbacks.
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu", choices=("cpu", "neuron"))
     p.add_argument("--backend", default="inductor", choices=("exact", "inductor"))
     p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--verbose", action="store_true",
+                   help="also print each size's ratio and the engine's fallbacks")
     a = p.parse_args(argv)
     import torch
 
@@ -101,6 +104,10 @@ def main(argv=None) -> int:
         print(f"| {name} | {statistics.median(eager.values()) * 1e3:.2f} | {max(ratios):.2f} | "
               f"{statistics.median(ratios):.2f} | {s.graphs_compiled} | {past} | "
               f"{nodes[0]} / {nodes[-1]} |", flush=True)
+        if a.verbose:
+            print("  ", " ".join(f"{n}:{r:.2f}" for n, r in zip(sizes, ratios)))
+            for k, v in sorted(s.fallbacks.items(), key=lambda kv: -kv[1])[:8]:
+                print(f"   {v:6d}  {k}")
         ENGINE.reset()
     return 0
 

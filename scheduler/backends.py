@@ -36,7 +36,7 @@ import time
 
 import torch
 
-from . import compile_process, precision
+from . import compile_process, precision, symbolic
 from .compile_thread import prepare_thread
 from .program import Ext, InductorDiffers, Meta, interpret, meta_on, on_compute, straight_line
 from .scalars import Lifted, lift_call, liftable
@@ -131,6 +131,8 @@ class Graph:
     ran: bool = False  # its first run (loading, GPU autotuning) is one-off work
     # Note [C++ wrappers]: why its C++ wrapper was not built (it runs Inductor's Python one)
     wrapper_failed: str | None = None
+    # Note [Family graphs] (scheduler.symbolic): the sizes a family's symbolic graph admits
+    size_guards: object = None
 
 
 def graph_device(ext_metas, live_metas: dict, device_map=None) -> torch.device:
@@ -177,18 +179,35 @@ def _fake_like(meta: Meta):
 
 
 def trace(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values: tuple,
-          device_map=None, kernels=None):
+          device_map=None, kernels=None, size=None):
     """The functional FX graph of the program for one variant, and its fake example inputs.
 
     ``device_map`` (device type -> device) names where the kernels run when that is not the
-    recorded device (an emulated device's backing CPU tensors).
+    recorded device (an emulated device's backing CPU tensors). ``size``: the program is a
+    template (Note [Family graphs], scheduler.symbolic) traced with a symbolic size whose
+    hint is ``size``.
     """
+    # A shape environment (with static sizes only) lets Inductor's FX graph cache serve the
+    # graph: without one it bypasses the cache and lowers the graph again in every process
+    # (measured: neuron llama-train's two graphs, 7.2 s and 5.4 s each time with every kernel
+    # already built; from the cache 2.3 s and 0.8 s).
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+    template, where = specs, None
+    if size is not None:  # the inputs' sizes are symbolic; the ops' ints are read from them
+        s = symbolic.size_in(fake_mode.shape_env, size)
+        metas = [ext_metas[k] for k in the_plan.ext_inputs] + list(live_metas.values())
+        where = symbolic.whole_dimension(metas, len(the_plan.ext_inputs), bool(the_plan.lifted))
+        if where is None:
+            raise InductorDiffers("the family's size is no whole dimension of an input")
+        ext_metas = symbolic.resolve(list(ext_metas), s)
+        live_metas = symbolic.resolve(dict(live_metas), s)
     ext_metas = [meta_on(m, device_map) for m in ext_metas]
     live_metas = {i: meta_on(m, device_map) for i, m in live_metas.items()}
     from torch._inductor.decomposition import select_decomp_table
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     n_ext = len(ext_metas)
     ext_inputs = the_plan.ext_inputs
@@ -200,6 +219,10 @@ def trace(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values: tuple
     device = graph_device(ext_metas, live_metas)
 
     def program(*inputs):
+        specs = template
+        if where is not None:  # a size traced from an input (Note [Family graphs])
+            s = inputs[where[0]].shape[where[1]]
+            specs = [symbolic.resolve(spec, s) for spec in template]
         exts = [None] * n_ext
         for k, x in zip(ext_inputs, inputs):
             exts[k] = x
@@ -228,11 +251,6 @@ def trace(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values: tuple
         interpret(specs, None, exts, targets, call=call, float_of=float_of)
         return ()
 
-    # A shape environment (with static sizes only) lets Inductor's FX graph cache serve the
-    # graph: without one it bypasses the cache and lowers the graph again in every process
-    # (measured: neuron llama-train's two graphs, 7.2 s and 5.4 s each time with every kernel
-    # already built; from the cache 2.3 s and 0.8 s).
-    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
     low = precision.low_precision(specs, ext_metas)  # Note [Eager's precision]
     kernels = precision.eager_kernels(low, kernels)
     if low:
@@ -280,7 +298,7 @@ def _as_recorded(spec, res, device_map=None):
 
 
 def _inductor_compile(specs, ext_metas, live_metas, the_plan, spec_values, device_map,
-                      kernels, cpp_wrapper=False):
+                      kernels, cpp_wrapper=False, size=None):
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx_inner
 
@@ -296,21 +314,32 @@ def _inductor_compile(specs, ext_metas, live_metas, the_plan, spec_values, devic
     with inductor_config.patch(fallback_random=True, emulate_precision_casts=True,
                                size_asserts=False):
         gm, inputs, fake_mode = trace(specs, ext_metas, live_metas, the_plan, spec_values,
-                                      device_map, kernels)
+                                      device_map, kernels, size)
         code = gm.code
         if cpp_wrapper and graph_device(ext_metas, live_metas, device_map).type == "cpu":
             try:
                 with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
                     compiled = compile_fx_inner(gm, inputs, is_inference=True, cpp_wrapper=True)
-                return compiled, code, time.perf_counter() - start, None
+                return (compiled, code, time.perf_counter() - start, None,
+                        _size_guards(fake_mode, size))
             except Exception as e:  # counted where the graph is installed
                 failed = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
             # Inductor's passes rewrote the graph in place: trace it again
             gm, inputs, fake_mode = trace(specs, ext_metas, live_metas, the_plan, spec_values,
-                                          device_map, kernels)
+                                          device_map, kernels, size)
         with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
             compiled = compile_fx_inner(gm, inputs, is_inference=True)
-    return compiled, code, time.perf_counter() - start, failed
+    return compiled, code, time.perf_counter() - start, failed, _size_guards(fake_mode, size)
+
+
+def _size_guards(fake_mode, size):
+    """A symbolic graph's guards (Note [Family graphs]); None for a graph of fixed sizes."""
+    if size is None:
+        return None
+    guards = symbolic.guards_of(fake_mode.shape_env)
+    if guards is None or not guards.admit(size):
+        raise InductorDiffers("the family's graph could not be kept symbolic in its size")
+    return guards
 
 
 # Note [C++ wrappers]: Inductor calls a graph's kernels from a wrapper, Python by default: per
@@ -332,54 +361,56 @@ def _inductor_compile(specs, ext_metas, live_metas, the_plan, spec_values, devic
 
 
 def _compiled_graph(run, code, seconds, ext_metas, live_metas, the_plan, spec_values, n_ops,
-                    device_map, backend="inductor", wrapper_failed=None):
+                    device_map, backend="inductor", wrapper_failed=None, size_guards=None):
     return Graph(backend, run, tuple(live_metas), the_plan, len(ext_metas), n_ops,
                  compile_seconds=seconds, code=code, wrapper_failed=wrapper_failed,
+                 size_guards=size_guards,
                  mutates_external=bool(the_plan.mutated_inputs), spec_values=tuple(spec_values),
                  device=graph_device(ext_metas, live_metas, device_map))
 
 
 def inductor_graph(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values,
-                   device_map=None, kernels=None, cpp_wrapper=False) -> Graph:
+                   device_map=None, kernels=None, cpp_wrapper=False, size=None) -> Graph:
     """Inductor in this process (on the compiler thread)."""
     prepare_thread()
-    compiled, code, seconds, failed = _inductor_compile(specs, ext_metas, live_metas, the_plan,
-                                                        spec_values, device_map, kernels,
-                                                        cpp_wrapper)
+    compiled, code, seconds, failed, guards = _inductor_compile(
+        specs, ext_metas, live_metas, the_plan, spec_values, device_map, kernels, cpp_wrapper,
+        size)
     run = getattr(compiled, "current_callable", None) or compiled
     return _compiled_graph(run, code, seconds, ext_metas, live_metas, the_plan, spec_values,
-                           len(specs), device_map, wrapper_failed=failed)
+                           len(specs), device_map, wrapper_failed=failed, size_guards=guards)
 
 
 def inductor_artifact(specs, ext_metas, live_metas, the_plan, spec_values, device_map=None,
-                      kernels=None, cpp_wrapper=False):
+                      kernels=None, cpp_wrapper=False, size=None):
     """Inductor in the compile process: its output serialized for the requesting process
     (Note [Compiles leave the process])."""
-    compiled, code, seconds, failed = _inductor_compile(specs, ext_metas, live_metas, the_plan,
-                                                        spec_values, device_map, kernels,
-                                                        cpp_wrapper)
+    compiled, code, seconds, failed, guards = _inductor_compile(
+        specs, ext_metas, live_metas, the_plan, spec_values, device_map, kernels, cpp_wrapper,
+        size)
     compiled.prepare_for_serialization()
-    return pickle.dumps(compiled), code, seconds, failed
+    return pickle.dumps(compiled), code, seconds, failed, guards
 
 
 def remote_inductor_graph(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values,
-                          device_map=None, kernels=None, cpp_wrapper=False) -> Graph:
+                          device_map=None, kernels=None, cpp_wrapper=False, size=None) -> Graph:
     """Inductor in the compile process; this thread only waits and loads the result."""
     # The child needs what ``trace`` reads; the signature key and source line stay here.
     sent = [dataclasses.replace(s, key=None) for s in specs]
     request = compile_process.pack((sent, ext_metas, live_metas, the_plan, spec_values,
-                                     device_map, kernels, cpp_wrapper))
-    blob, code, seconds, failed = compile_process.shared().request(request)
+                                     device_map, kernels, cpp_wrapper, size))
+    blob, code, seconds, failed, guards = compile_process.shared().request(request)
     compiled = pickle.loads(blob)
     from torch._inductor.output_code import CompiledFxGraphConstants
 
     compiled.after_deserialization(CompiledFxGraphConstants())
     return _compiled_graph(compiled.current_callable, code, seconds, ext_metas, live_metas,
-                           the_plan, spec_values, len(specs), device_map, wrapper_failed=failed)
+                           the_plan, spec_values, len(specs), device_map, wrapper_failed=failed,
+                           size_guards=guards)
 
 
 def neuron_graph(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values,
-                 device_map=None, kernels=None, cpp_wrapper=False) -> Graph:
+                 device_map=None, kernels=None, cpp_wrapper=False, size=None) -> Graph:
     """TorchNeuron's compiler: the same functional graph, through ``torch.compile``'s
     ``neuron`` backend (registered by torch-neuronx; used as it is)."""
     from torch._dynamo.backends.registry import lookup_backend
@@ -387,6 +418,8 @@ def neuron_graph(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values
     prepare_thread()
 
     start = time.perf_counter()
+    if size is not None:
+        raise InductorDiffers("TorchNeuron's backend compiles fixed sizes")
     gm, inputs, fake_mode = trace(specs, ext_metas, live_metas, the_plan, spec_values,
                                   device_map, kernels)
     compiled = lookup_backend("neuron")(gm, inputs)
@@ -405,7 +438,7 @@ BACKENDS = {"inductor": inductor_graph, "neuron": neuron_graph,
 
 def compile_graph(backend: str, specs, ext_metas, live_metas, the_plan, spec_values,
                   device_map=None, kernels=None, process: bool = False,
-                  cpp_wrapper: bool = False) -> Graph:
+                  cpp_wrapper: bool = False, size=None) -> Graph:
     """Compile one variant. ``process``: Inductor runs in the compile process for graphs on
     the CPU or CUDA (Note [Compiles leave the process]); other backends and devices compile
     on this thread."""
@@ -413,7 +446,7 @@ def compile_graph(backend: str, specs, ext_metas, live_metas, the_plan, spec_val
             and graph_device(ext_metas, live_metas, device_map).type in PROCESS_DEVICES):
         backend = "inductor-process"
     return BACKENDS[backend](specs, ext_metas, live_metas, the_plan, spec_values, device_map,
-                             kernels, cpp_wrapper)
+                             kernels, cpp_wrapper, size)
 
 
 # Where the compile process compiles: the CPU, and CUDA (the child makes its own CUDA

@@ -450,13 +450,13 @@ def test_cpu_graphs_get_the_cpp_wrapper_or_count_why_not(monkeypatch):
 def test_shape_variants_of_one_path_share_the_compile_budget(monkeypatch):
     # A decode step with a cache growing by one row per step: the same ops at a new shape
     # each step, so a new path each step. Past the variant budget the family's new members
-    # replay exactly instead of compiling.
+    # replay exactly instead of compiling. The size is only an argument of an op here, in no
+    # graph input, so the family gets no symbolic graph (tests/test_families.py), counted.
     monkeypatch.setenv("NEURON_ADAPTIVE_EAGER_VARIANTS", "2")
     w = torch.randn(8)
 
     def decode(n):
-        cache = torch.ones(n, 8)
-        return (cache * w + 1.0).sum().item()
+        return (torch.ones(n, 8) * w + 1.0).sum().item()
 
     lengths = range(2, 7)
     ref = [decode(n) for n in lengths]
@@ -471,3 +471,5 @@ def test_shape_variants_of_one_path_share_the_compile_budget(monkeypatch):
     over = [r for r in s.fallbacks if r.startswith("shape variants of one path over")]
     assert len(over) == 1 and s.fallbacks[over[0]] == 3 and "test_inductor.py" in over[0]
     assert s.fallbacks["no fused graph (shape variants over budget): replayed exactly"] >= 3
+    assert s.fallbacks["no symbolic graph for the family (the size is no whole dimension of an "
+                       "input)"] == 1

@@ -34,6 +34,7 @@ __all__ = ["plan", "step_of", "fast_end"]
 
 _REC_KIND = {float: 0, int: 1, bool: 2}
 _LONGEST = 4096  # steps in one plan: the key asks again where one ends
+_FORKS = 64  # forks in one plan and its forks, all told (Note [Forks in a plan])
 _HOST_SCALARS, _HOST_CPU = 1, 2  # csrc/hot_segment.cpp: Host
 _VALUES = (type(None), bool, int, float, str, torch.dtype, torch.layout, torch.memory_format,
            torch.device)
@@ -162,21 +163,39 @@ def plan(mode, module):
 
 
 def _build(start, module, devices, starts=False):
-    steps, nodes = [], []
-    n = start.hot_next
-    while n is not None and n.hot and not n.ends_here and not n.cut and len(steps) < _LONGEST:
-        step = step_of(n, module)
-        if step is None:
-            break
-        steps.append(step)
-        nodes.append(n)
-        n = n.hot_next
-    if not steps:
-        return None
     # what the plan runs at once when it does not expect it (Note [Host scalars], tracer.mode)
     host, counter = (_HOST_SCALARS, "ops_host") if "cpu" in devices else (_HOST_CPU,
                                                                           "ops_passthrough")
-    return module.make_plan(steps, tuple(nodes), host, counter, starts)
+    forks_left = [_FORKS]
+
+    def build(steps, nodes, parent, n):
+        """The plan of ``steps`` (at ``nodes``) followed by the chain from ``n``, a child of
+        ``parent``, with a fork at each other hot child on the way (Note [Forks in a plan],
+        csrc/hot_segment.cpp)."""
+        forks, prefix = [], len(steps)
+        while n is not None and n.hot and not n.ends_here and not n.cut and len(steps) < _LONGEST:
+            step = step_of(n, module)
+            if step is None:
+                break
+            if len(steps) > prefix or not prefix:  # a fork's siblings are its plan's forks
+                forks += [(len(steps), parent, c) for c in parent.children.values()
+                          if c is not n and c.hot]
+            steps.append(step)
+            nodes.append(n)
+            parent, n = n, n.hot_next
+        if len(steps) == prefix:
+            return None
+        made = []
+        for pos, at, child in forks:
+            if forks_left[0] <= 0:
+                break
+            forks_left[0] -= 1
+            fork = build(steps[:pos], nodes[:pos], at, child)
+            if fork is not None:
+                made.append((pos, fork))
+        return module.make_plan(steps, tuple(nodes), host, counter, starts, made)
+
+    return build([], [], start, start.hot_next)
 
 
 # ---------------------------------------------------------------- launches at a read

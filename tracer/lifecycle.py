@@ -48,8 +48,11 @@ a launch of one op and a cold rest, 5x eager).
 Note [Shape families]: a path's signature holds its shapes, so a decode step with a cache
 that grows by one token each step is a new path at every length, each with its own compile.
 Paths with the same ops in the same order whatever their shapes form a *family*; a family's
-fused compiles share the variant budget (``NEURON_ADAPTIVE_EAGER_VARIANTS``). Past it a new
-member goes hot as an exact replay (one launch, no compile), counted with its first line.
+fused compiles share the variant budget (``NEURON_ADAPTIVE_EAGER_VARIANTS``). The budget's
+last compile is, where the family allows it, one graph for all its sizes (Note [Family
+graphs], scheduler.symbolic; tracer.families decides), which later members join. A member
+that cannot join, past the budget, goes hot as an exact replay (one launch, no compile),
+counted with its first line.
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ from adaptive_eager.scheduler.program import (InductorDiffers, OpFailed, Rec, al
                                               host_call)
 from adaptive_eager.scheduler.queues import queue_for
 
-from . import native, trie
+from . import families, native, trie
 from .signature import make_fast
 from .trie import Node
 
@@ -186,16 +189,22 @@ class Path:
         the_plan = self.plan
         return live, the_plan.lifted, (pick or pick_floats)(floats, the_plan.specialized)
 
-    def builder(self, variant, process: bool = False, cpp_wrapper: bool = False):
+    def builder(self, variant, process: bool = False, cpp_wrapper: bool = False,
+                template=None, size=None):
+        """The compile of ``variant``; of the family's symbolic graph given its ``template``
+        (specs, ext metas, live metas) and this member's ``size`` (Note [Family graphs])."""
         live, _, spec_values = variant  # computed from the current plan just before
         specs, ext_metas, the_plan, backend = self.specs, self.ext_metas, self.plan, self.backend
         live_metas = {i: self.val_meta[i] for i in live}
+        if template is not None:
+            specs, ext_metas, live_metas = template
         device_map, kernels = self.device_map, self.kernels
         return lambda: compile_graph(backend, specs, ext_metas, live_metas, the_plan,
-                                     spec_values, device_map, kernels, process, cpp_wrapper)
+                                     spec_values, device_map, kernels, process, cpp_wrapper,
+                                     size)
 
-    def graph_key(self, variant) -> GraphKey:
-        return GraphKey(self.key, self.backend, variant)
+    def graph_key(self, variant, symbolic: bool = False) -> GraphKey:
+        return GraphKey(self.key + (("symbolic",) if symbolic else ()), self.backend, variant)
 
     def retire(self, reason: str) -> None:
         self.state = RETIRED
@@ -301,26 +310,42 @@ def _warm(mode, node: Node, path: Path) -> None:
     live = tuple(i for i in path.fresh if S.alive(i))
     path.state = WARM
     _mark_hot(mode, node)  # Note [Warm paths replay exactly]
-    compiled = mode.families.get(path.family, 0)
-    if compiled >= mode.config.variant_budget:  # Note [Shape families]
+    variant = path.variant(live, S.floats)
+    fam = mode.families.get(path.family)
+    if fam is None:
+        fam = mode.families[path.family] = families.Family()
+    # Note [Shape families], Note [Family graphs] (scheduler.symbolic)
+    d = families.decide(fam, path, live, variant, mode.config.variant_budget)
+    if d.why:
+        mode.counters.fallback(f"{d.why}: replayed exactly ({path.specs[0].line})"
+                               if d.kind == families.OVER else d.why)
+    if d.kind == families.OVER:
         path.fused_off = "shape variants over budget"
         path.state = HOT
-        mode.counters.fallback("shape variants of one path over the variant budget: "
-                               f"replayed exactly ({path.specs[0].line})")
-        return
-    mode.families[path.family] = compiled + 1
-    request(mode, path, path.variant(live, S.floats))
+    elif d.kind == families.JOIN:
+        path.variants[variant] = fam.key
+        if fam.guards is None:  # still compiling: installed with the family's graph
+            path.pending.add(variant)
+            fam.waiting.append((path, variant, d.size))
+        else:
+            path.state = HOT
+    elif d.kind == families.SYMBOLIC:
+        fam.key = path.graph_key(variant, symbolic=True)
+        request(mode, path, variant, d.template, d.size, fam.key)
+    else:
+        request(mode, path, variant)
 
 
-def request(mode, path: Path, variant) -> None:
-    key = path.graph_key(variant)
+def request(mode, path: Path, variant, template=None, size=None, key=None) -> None:
+    key = key or path.graph_key(variant)
     path.variants[variant] = key
     path.pending.add(variant)
     if mode.debug >= 1:
-        log.info("compiling graph%d: %d ops, %d live outputs (%s .. %s)", path.gid,
-                 len(path.specs), len(variant[0]), path.specs[0].line, path.specs[-1].line)
+        log.info("compiling graph%d: %d ops, %d live outputs (%s .. %s)%s", path.gid,
+                 len(path.specs), len(variant[0]), path.specs[0].line, path.specs[-1].line,
+                 " for every size of its family" if template is not None else "")
     mode.engine.compiler.request(key, path.builder(variant, mode.config.compile_process,
-                                                   mode.config.cpp_wrapper),
+                                                   mode.config.cpp_wrapper, template, size),
                                  mode.inbox,
                                  (mode.generation, path, variant))
 
@@ -332,7 +357,10 @@ def install(mode) -> None:
     while inbox:
         (generation, path, variant), graph, error, built = inbox.popleft()
         path.pending.discard(variant)
-        if generation != mode.generation or path.state == RETIRED:
+        if generation != mode.generation:
+            continue
+        _install_family(mode, path, variant, graph, error)
+        if path.state == RETIRED:
             continue
         if error is not None:
             # The path stays deferred as one exact replay per segment: a graph the backend
@@ -368,6 +396,30 @@ def install(mode) -> None:
             log.debug("graph%d code:\n%s", path.gid, graph.code)
         if path.state == WARM:
             path.state = HOT
+
+
+def _install_family(mode, path: Path, variant, graph, error) -> None:
+    """The family's symbolic graph arrived (or failed): its waiting members go hot with it,
+    or replay exactly, counted (Note [Family graphs])."""
+    fam = mode.families.get(path.family)
+    if fam is None or fam.key is None or path.variants.get(variant) != fam.key:
+        return
+    waiting, fam.waiting = fam.waiting, []
+    if error is not None:
+        fam.failed = "the family's symbolic graph failed"
+    else:
+        fam.guards = graph.size_guards
+    for member, v, size in waiting:
+        member.pending.discard(v)
+        if member.state == RETIRED:
+            continue
+        if error is None and fam.guards.admit(size):
+            member.state = HOT
+            continue
+        member.fused_off = fam.failed or f"the family graph does not admit size {size}"
+        mode.counters.fallback(f"{member.fused_off}: replayed exactly ({member.specs[0].line})")
+        if member.state == WARM:
+            member.state = HOT
 
 
 def retire(mode, path: Path, reason: str) -> None:

@@ -96,6 +96,9 @@ struct Plan {
   Host host = Host::None;
   py::object counter;            // the mode's counter of those ops' kind (a str)
   bool starts = false;           // its first step starts the segment (from the trie's root)
+  // Note [Forks in a plan]: plans that share this one's steps before ``pos`` and take
+  // another hot child of the trie there, tried in order when an op is not this plan's
+  std::vector<std::pair<size_t, std::shared_ptr<Plan>>> forks;
 };
 
 // One served op, as the Python segment will record it: how many of each record it added to
@@ -155,6 +158,7 @@ std::unordered_map<PyObject*, State*> g_active, g_kept;
 // ops served, plans taken, ops a segment's plan did not expect, launches at a read (Note
 // [Launched below the floor]) (this process)
 std::atomic<int64_t> g_served{0}, g_plans{0}, g_unexpected{0}, g_launched{0};
+std::atomic<int64_t> g_forks{0};  // ops that took a fork of the plan (Note [Forks in a plan])
 PyTypeObject* g_plain[2] = {nullptr, nullptr};  // torch.Tensor, torch.nn.Parameter
 PyObject* g_dead = nullptr;                     // a weak reference to nothing
 PyObject *s_outw, *s_exts, *s_extw, *s_ids, *s_floats, *s_stor, *s_node, *s_expect,
@@ -572,7 +576,7 @@ std::shared_ptr<Step> make_step(const std::string& name, const std::string& over
 }
 
 std::shared_ptr<Plan> make_plan(py::list steps, py::tuple nodes, int host, py::object counter,
-                                bool starts) {
+                                bool starts, py::list forks) {
   auto plan = std::make_shared<Plan>();
   plan->starts = starts;
   TORCH_CHECK(host >= 0 && host <= 2, "hot plan: host ", host, " is not 0, 1 or 2");
@@ -581,6 +585,15 @@ std::shared_ptr<Plan> make_plan(py::list steps, py::tuple nodes, int host, py::o
   for (py::handle s : steps) plan->steps.push_back(s.cast<std::shared_ptr<Step>>());
   plan->nodes = nodes;
   TORCH_CHECK(plan->steps.size() == (size_t)nodes.size(), "hot plan: steps and nodes differ");
+  for (py::handle f : forks) {
+    auto pair = f.cast<std::pair<size_t, std::shared_ptr<Plan>>>();
+    TORCH_CHECK(pair.first < plan->steps.size() && pair.first < pair.second->steps.size(),
+                "hot plan: a fork at ", pair.first, " past a plan's steps");
+    for (size_t k = 0; k < pair.first; k++)
+      TORCH_CHECK(pair.second->steps[k] == plan->steps[k], "hot plan: a fork at ", pair.first,
+                  " that does not share the steps before it");
+    plan->forks.push_back(std::move(pair));
+  }
   return plan;
 }
 
@@ -591,7 +604,8 @@ bool serving() {
   return !g_active.empty();
 }
 std::vector<int64_t> served() {
-  return {g_served.load(), g_plans.load(), g_unexpected.load(), g_launched.load()};
+  return {g_served.load(), g_plans.load(), g_unexpected.load(), g_launched.load(),
+          g_forks.load()};
 }
 
 }  // namespace
@@ -619,6 +633,8 @@ PyObject* top_mode() {
 }
 
 bool serve_from(State* st, const c10::OperatorHandle& op, c10::DispatchKeySet ks,
+                torch::jit::Stack* stack, bool* borrowed);
+bool serve_fork(State* st, const c10::OperatorHandle& op, c10::DispatchKeySet ks,
                 torch::jit::Stack* stack, bool* borrowed);
 
 // The op's arguments on ``stack`` made owning if they were borrowed (Note [Borrowed
@@ -683,6 +699,7 @@ bool serve(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::St
     st = found->second;
   }
   if (serve_from(st, op, ks, stack, borrowed)) return true;
+  if (serve_fork(st, op, ks, stack, borrowed)) return true;
   bool ignored = runs_at_once(op);
   if (ignored || host_op(*st, op, *stack)) {  // runs now, as the mode would run it
     (ignored ? st->ignored_ops : st->host_ops)++;
@@ -692,6 +709,31 @@ bool serve(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::St
     return true;
   }
   g_unexpected.fetch_add(1, std::memory_order_relaxed);
+  return false;
+}
+
+// Note [Forks in a plan]: a plan follows the trie's ``hot_next`` from its first node, the
+// branch last taken at each node. A loop whose step takes one of several hot branches in
+// turn (a batch size out of 8 buckets: the steps share their first op, the weight's
+// transpose, and part ways at the first op that reads the batch) would leave the plan at the
+// fork on every step but the one it was built for: the rest of the segment then ran through
+// the mode and ended in Python, not below the floor (8 buckets: 1.3x eager where one size is
+// 0.9x). So a plan carries plans for the other hot children at each node, sharing its steps
+// up to there; an op the plan does not expect is tried against each fork at the current
+// position (its checks only read the state: a miss changes nothing) and the first that takes
+// it becomes the segment's plan, whose served prefix is the same ops.
+bool serve_fork(State* st, const c10::OperatorHandle& op, c10::DispatchKeySet ks,
+                torch::jit::Stack* stack, bool* borrowed) {
+  std::shared_ptr<Plan> was = st->plan;
+  for (const auto& [pos, fork] : was->forks) {
+    if (pos != st->pos) continue;
+    st->plan = fork;
+    if (serve_from(st, op, ks, stack, borrowed)) {
+      g_forks.fetch_add(1, std::memory_order_relaxed);
+      return true;
+    }
+  }
+  st->plan = was;
   return false;
 }
 
