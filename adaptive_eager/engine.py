@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import dataclasses
 import logging
 import sys
@@ -25,7 +26,7 @@ from adaptive_eager.scheduler.queues import set_depth, synchronize_all
 from adaptive_eager.scheduler.stats import snapshot
 from adaptive_eager.tracer.mode import AdaptiveEagerMode, skip_rule_lookup
 
-from . import cudaguard, readguard
+from . import compiled_regions, cudaguard, readguard
 from .config import Config
 from .governor import Governor
 
@@ -95,6 +96,7 @@ class Engine:
         if "cuda" in config.devices:
             cudaguard.install(self._flush_for_device)
         self._install_hooks()
+        compiled_regions.hook(self)  # Note [Beside torch.compile]
         if self.cache._lru.maxsize != config.cache_size:
             self.cache.resize(config.cache_size)
         m = getattr(self.local, "mode", None)
@@ -147,6 +149,47 @@ class Engine:
         """The governor's: the key off while ``mode`` (this thread's) steps aside, back on
         with it (Note [Stepping aside])."""
         self._engage(on and mode.config.hot_path == "key")
+
+    @contextlib.contextmanager
+    def aside(self, reason: str):
+        """This thread's engine off the dispatch stack, its key off, for a block: what it held
+        launched first (a counted boundary, ``reason``). Nothing where it is not on top of the
+        stack (off, aside already, another mode above it). Note [Beside torch.compile]."""
+        m = self.mode()
+        stack = _get_current_dispatch_mode_stack()
+        if (m is None or not getattr(self.local, "active", False) or not stack
+                or stack[-1] is not m):
+            yield
+            return
+        m.boundary(reason)
+        self._engage(False)
+        m.__exit__(None, None, None)
+        self.local.aside = True
+        try:
+            yield
+        finally:
+            self.local.aside = False
+            m.__enter__()
+            self._engage(m.config.hot_path == "key")
+
+    def compile_started(self) -> None:
+        """Dynamo begins a compile on this thread outside ``aside`` (a backward compiled
+        lazily, ``torch._dynamo.optimize``): the engine launches what it holds and takes its
+        dispatch key off (Note [Beside torch.compile], adaptive_eager/compiled_regions)."""
+        m = self.mode()
+        if (m is None or not getattr(self.local, "active", False) or m.paused
+                or getattr(self.local, "aside", False)):
+            return
+        m.boundary("torch.compile")
+        self.local.aside_for_compile = getattr(self.local, "engaged", None) is not None
+        self._engage(False)
+
+    def compile_ended(self) -> None:
+        if getattr(self.local, "aside_for_compile", False):
+            self.local.aside_for_compile = False
+            m = self.mode()
+            self._engage(m is not None and getattr(self.local, "active", False)
+                         and m.config.hot_path == "key")
 
     def _engage(self, on: bool) -> None:
         """Ops reach this thread's mode through the hot path's dispatch key (``hot_path`` key),
@@ -291,3 +334,4 @@ def _set_debug(level: int) -> None:
 
 
 ENGINE = Engine()
+compiled_regions.install(ENGINE)  # Note [Beside torch.compile]

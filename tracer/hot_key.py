@@ -133,8 +133,8 @@ def engage(mode=None, action: str = "route"):
 # aten ops it runs reach our key like any other op. Ops made after the engine first engaged
 # (their modules imported later) get the same at their construction. Where a higher-order op
 # reaches the mode instead (the Python key, the other hot paths), it is a counted boundary
-# run as in eager (tracer/mode.py). FlexAttention's eager path is still refused: it calls
-# torch.compile, which traces the engine's mode (torch.compile beside the engine).
+# run as in eager (tracer/mode.py). FlexAttention's eager path also calls torch.compile,
+# which needs the engine aside while it compiles (Note [Beside torch.compile]).
 _OUR_KEYS = None
 
 

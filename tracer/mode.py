@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import sys
 import threading
 import time
 
@@ -70,6 +71,13 @@ class AdaptiveEagerMode(TorchDispatchMode):
     # popped: each is a counted boundary run as in eager (Note [Higher-order ops and the
     # key], tracer/hot_key.py), never "no rule registered for this mode".
     supports_higher_order_operators = True
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # Note [Beside torch.compile] (adaptive_eager/compiled_regions.py): torch.compile
+        # compiles as if the engine were not there; the ops its compiled code still
+        # dispatches reach the engine
+        return True
 
     def __init__(self, engine, config):
         super().__init__()
@@ -425,9 +433,30 @@ def _dispatch(self, func, types, args=(), kwargs=None):
 # Assigned after class creation: TorchDispatchMode.__init_subclass__ would wrap a method
 # defined in the class body with torch._disable_dynamo (~0.5 us per op, DESIGN §11). The
 # wrapper keeps Dynamo from compiling the mode's frames, which only matters while a compiled
-# function runs. Known gap: nothing suspends the engine around torch.compile'd code yet, so
-# running both on one thread is not supported.
+# function runs. Note [Dynamo and the mode]: Dynamo skips a frame while a dispatch mode is on
+# the stack, but the mode runs popped, so a frame of its own entered inside a compiled
+# function (FlexAttention's eager path calls torch.compile, and its higher-order op reaches
+# the mode) was compiled: Dynamo traced the engine ("missing tp_iter" in the op table). The
+# slow path, where every such op goes, therefore runs with Dynamo off (that wrapper, ~0.5 us,
+# on a path that costs tens of microseconds) once Dynamo is loaded: the wrapper would import
+# it (~0.8 s), and nothing compiles before it is. The hot path's frames run what the key and
+# the fast paths already checked. The rest of the engine beside torch.compile: Note [Beside
+# torch.compile] (adaptive_eager/compiled_regions.py).
 AdaptiveEagerMode.__torch_dispatch__ = _dispatch
+_slow_plain = AdaptiveEagerMode._slow
+_slow_no_dynamo = None
+
+
+def _slow(self, func, args, kwargs):
+    global _slow_no_dynamo
+    if _slow_no_dynamo is None:
+        if "torch._dynamo" not in sys.modules:
+            return _slow_plain(self, func, args, kwargs)
+        _slow_no_dynamo = torch._disable_dynamo(_slow_plain, recursive=True)
+    return _slow_no_dynamo(self, func, args, kwargs)
+
+
+AdaptiveEagerMode._slow = _slow
 # the Python forms of what configure() may replace by compiled ones (tracer.native)
 AdaptiveEagerMode.release_weak = staticmethod(release_weak)
 AdaptiveEagerMode.live_values = staticmethod(_launch.live_values)

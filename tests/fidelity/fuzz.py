@@ -345,6 +345,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--devices", default="cpu,neuron")
     p.add_argument("--backend", default="exact", choices=("exact", "inductor"))
+    p.add_argument("--progress", type=int, default=0, metavar="N",
+                   help="print a line every N programs (a long run's progress)")
     a = p.parse_args(argv)
     devices = a.devices.split(",")
     if "neuron" in devices:
@@ -360,6 +362,9 @@ def main(argv=None) -> int:
         def fuzz(program):
             counts[device] += 1
             replayed[device] += check(program, device, a.backend).replays > 0
+            if a.progress and counts[device] % a.progress == 0:
+                print(f"{device}: {counts[device]} programs so far, 0 mismatches, "
+                      f"{replayed[device]} replayed ({time.time() - start:.0f} s)", flush=True)
 
         fuzz()
         print(f"{device}: {counts[device]} programs, 0 mismatches, {replayed[device]} of them "

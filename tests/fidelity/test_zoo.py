@@ -10,11 +10,6 @@ import adaptive_eager.neuron  # noqa: F401 -- before any backward(): autograd si
 
 from .zoo import ENTRIES, Unsupported, check
 
-# FlexAttention's eager path calls torch.compile, which traces the engine's own mode:
-# torch.compile beside the engine is the next issue's (a strict xfail turns red once fixed).
-COMPILES_INSIDE = {"flex_attention"}
-
-
 def _check(name, device, backend):
     try:
         return check(name, device, backend)
@@ -23,16 +18,13 @@ def _check(name, device, backend):
 
 
 @pytest.mark.parametrize("device", ["cpu", "neuron"])
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="torch.compile inside the "
-                                            "engine's mode")) if n in COMPILES_INSIDE else n
-    for n in sorted(ENTRIES)])
+@pytest.mark.parametrize("name", sorted(ENTRIES))
 def test_trains_as_eager(name, device):
     s = _check(name, device, "exact")
     assert s.replays > 0, s  # it went hot: the comparison judged replays
 
 
-@pytest.mark.parametrize("name", ["convbn", "clip"])
+@pytest.mark.parametrize("name", ["convbn", "clip", "flex_attention"])
 def test_trains_as_eager_fused(name):
     s = _check(name, "cpu", "inductor")
     assert s.graphs_compiled > 0 and s.cache_hits > 0, s

@@ -158,6 +158,12 @@ def flex_attention(device):
     def causal(score, b, h, q_idx, kv_idx):
         return torch.where(q_idx >= kv_idx, score, -float("inf"))
 
+    probe = torch.zeros(1, 1, 8, 8, device=device)
+    try:  # plain eager refuses some devices (the neuron device among them)
+        flex(probe, probe, probe)
+    except ValueError as e:
+        raise Unsupported(f"{type(e).__name__}: {str(e).splitlines()[0]}") from e
+
     @torch.no_grad()
     def step(i):
         q, k, v = qkv(x).view(1, 8, 3, 2, 8).permute(2, 0, 3, 1, 4)
