@@ -343,6 +343,8 @@ def _path_info(engine, mode, node) -> PathInfo:
             backend, why = "exact replay", path.fused_off
         elif graphs:
             backend, why = f"fused {graphs[0].backend} graph", ""
+            if graphs[0].size_guards is not None:  # Note [Family graphs]
+                backend += " for every size of its family"
         else:
             backend, why = "exact replay", "its graph is compiling"
     elif path.state == RETIRED:

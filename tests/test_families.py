@@ -67,7 +67,9 @@ def test_past_the_budget_a_family_joins_its_symbolic_graph(monkeypatch):
         before = ae.stats()
         got = [step(xs[n]) for n in sizes]
         s = ae.stats()
+        family = [p for p in ae.explain().paths if "every size of its family" in p.backend]
     assert got == pytest.approx(ref, rel=1e-5)
+    assert len(family) == len(sizes) - 2  # all but size 1 and the size compiled alone
     assert s.graphs_compiled == 2
     assert not [r for r in s.fallbacks if "over the variant budget" in r]
     assert s.cache_hits - before.cache_hits == len(sizes) - 1
