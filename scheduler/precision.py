@@ -17,8 +17,8 @@ rsqrt (eager's fp16 kernel on small tensors is not correctly rounded, Inductor's
 apart in a quarter of the elements of a 20-element tensor, none of a 4096-element one;
 acos's and asin's gradients), ldexp (eager rounds ``2 ** other`` to 16 bits before it
 multiplies, Inductor multiplies in float32: a 16-bit ulp apart, more in its gradients), the
-backwards of reflection padding, of unfold (col2im) and of max pooling, which sum
-overlapping gradients in another order (bf16 and fp16 gradients beyond tolerance; max_pool2d:
+backwards of reflection padding, of unfold (col2im; Tensor.unfold's unfold_backward) and of
+max pooling, which sum overlapping gradients in another order (bf16 and fp16 gradients beyond tolerance; max_pool2d:
 a bf16 ulp at one element of 7 of 1,440 samples), the gradients of glu, binary_cross_entropy
 and dist in fp16 and of polygamma in bf16 (a 16-bit ulp or a few, at some elements), and
 the matrix products, which Inductor turns into a
@@ -128,6 +128,7 @@ _OPS_16BIT = (
     aten.max_pool2d_with_indices_backward.default, aten.max_pool3d_with_indices_backward.default,
     aten.glu.default, aten.glu_backward.default, aten.binary_cross_entropy.default,
     aten.binary_cross_entropy_backward.default, aten.dist.default, aten.polygamma.default,
+    aten.unfold_backward.default,
 )
 # In graphs holding a 16-bit value: op -> what the trace calls for it (eager's kernel)
 EAGER_16BIT = {op: _eager_kernel(op) for op in _OPS_16BIT}
