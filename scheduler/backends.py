@@ -253,6 +253,10 @@ def trace(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values: tuple
 
     low = precision.low_precision(specs, ext_metas)  # Note [Eager's precision]
     kernels = precision.eager_kernels(low, kernels)
+    if any(s.func is aten.bernoulli.default and s.outs[0].meta.dtype != torch.float32
+           for s in specs):  # Note [Random ops stay eager's]
+        raise InductorDiffers("bernoulli of non-float32 probabilities: Inductor draws float32 "
+                              "numbers where eager's kernel draws others")
     if low:
         unsafe = sorted({str(s.func) for s in specs if s.func in precision.NOT_FUSED_16BIT})
         if unsafe:
@@ -269,6 +273,18 @@ def trace(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values: tuple
         tracing_mode="fake",
     )(*inputs)
     return gm, inputs, fake_mode
+
+
+# Note [Random ops stay eager's]: ``fallback_random`` makes Inductor call eager's kernel for
+# the random ops it lowers, but the decomposition table it hands to tracing rewrites
+# ``bernoulli(p)`` as ``rand(float32) < p``: the numbers eager's kernel draws for float32
+# probabilities (one float per element, compared), other numbers for float64 ones (eager's
+# cpu kernel draws a double per element). Found by the fuzzer on neuron (a float64
+# ``bernoulli``: 11 of 24 elements differed once the fused graph ran). Traced as itself, the
+# op is refused by Inductor ("both a fallback and a decomp"); traced as ATen computes it (an
+# ``empty_like`` filled by ``bernoulli_(p)``), Inductor's code for it did not import (its
+# in-place fallback printed an unrealized input). So a graph with ``bernoulli(p)`` of other
+# than float32 probabilities is not fused: its path replays exactly, counted.
 
 
 class PrecisionUnsafe(InductorDiffers):
@@ -388,6 +404,9 @@ def inductor_artifact(specs, ext_metas, live_metas, the_plan, spec_values, devic
     compiled, code, seconds, failed, guards = _inductor_compile(
         specs, ext_metas, live_metas, the_plan, spec_values, device_map, kernels, cpp_wrapper,
         size)
+    if not hasattr(compiled, "prepare_for_serialization"):
+        # a graph of views only: Inductor hands back a plain function, nothing to send
+        raise InductorDiffers("nothing for Inductor to compile (views only)")
     compiled.prepare_for_serialization()
     return pickle.dumps(compiled), code, seconds, failed, guards
 
