@@ -62,7 +62,8 @@ def compare(got, want, *, exact: bool, rtol: float = 0.0, atol: float = 0.0,
     for i, (g, w) in enumerate(zip(g_leaves, w_leaves)):
         at = f"{where}[{i}]"
         if not isinstance(w, torch.Tensor):
-            if isinstance(g, torch.Tensor) or not _same_scalar(g, w):
+            if isinstance(g, torch.Tensor) or not _same_scalar(g, w, 0.0 if exact else rtol,
+                                                               0.0 if exact else atol):
                 raise Mismatch(f"{at}: {g!r} != eager's {w!r}")
             continue
         if not isinstance(g, torch.Tensor):
@@ -92,7 +93,12 @@ def compare(got, want, *, exact: bool, rtol: float = 0.0, atol: float = 0.0,
                                f"{' '.join(first[:4])}") from None
 
 
-def _same_scalar(a, b) -> bool:
-    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
-        return True
+def _same_scalar(a, b, rtol: float = 0.0, atol: float = 0.0) -> bool:
+    """Equal Python numbers; floats within the tolerances where there are any (a fused
+    graph's sum read by ``item()`` is the tensor's value, within the tensor's tolerances)."""
+    if isinstance(a, float) and isinstance(b, float):
+        if a != a and b != b:
+            return True
+        if rtol or atol:
+            return abs(a - b) <= atol + rtol * abs(b)
     return type(a) is type(b) and a == b
