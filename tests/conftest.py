@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import tempfile
+import threading
 
 # Before torch._inductor is imported anywhere: compiled kernels are shared by every test.
 os.environ.setdefault(
@@ -29,6 +31,43 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import adaptive_eager as ae  # noqa: E402
+
+
+# Note [A test that hangs]: a test that never returns (a deadlock between the host and the
+# device's queue, a wait on a child that never answers) would hold the suite until CI's own
+# limit ends it, leaving no word of where it hung. Each test runs under faulthandler's
+# watchdog: past TEST_LIMIT_S it writes every thread's Python stack to the real stderr and
+# ends the run (exit 1), so the log's tail names the test and the line it waited on. The
+# watchdog is a C thread: it fires even when the hung thread holds the interpreter lock.
+TEST_LIMIT_S = float(os.environ.get("ADAPTIVE_EAGER_TEST_LIMIT_S", "900"))
+
+
+_STDERR = pytest.StashKey[int]()
+
+
+def pytest_configure(config):
+    # fd 2 before pytest redirects it around each test (a dump there would be captured, lost)
+    config.stash[_STDERR] = os.dup(2)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if TEST_LIMIT_S <= 0:
+        yield
+        return
+    fd = item.config.stash[_STDERR]
+    said = f"\ntests: {item.nodeid} ran past {TEST_LIMIT_S:.0f} s: every thread's stack\n"
+    # the test's name, from Python (a hung thread holding the interpreter lock silences this
+    # line, never the dump)
+    header = threading.Timer(max(TEST_LIMIT_S - 1, 0), os.write, (fd, said.encode()))
+    header.daemon = True
+    header.start()
+    faulthandler.dump_traceback_later(TEST_LIMIT_S, exit=True, file=fd)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        header.cancel()
 
 
 @pytest.fixture(autouse=True)

@@ -32,6 +32,7 @@ def _note_definitions() -> dict:
              if p.suffix in (".py", ".cpp", ".h")]
     files += [p for p in (ROOT / "tests" / "fidelity").glob("*.py")
               if not p.name.startswith("test_")]
+    files.append(ROOT / "tests" / "conftest.py")
     defined: dict = {}
     for p in files:
         for line in p.read_text().splitlines():
