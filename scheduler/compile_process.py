@@ -109,7 +109,8 @@ def _read(stream) -> bytes | None:
     return data if len(data) == n else None
 
 
-# The child runs at the lowest CPU priority, set before it imports anything: on a machine with
+# The child runs at the lowest CPU priority from before it imports anything (born low, Note [A
+# child born low], or by its own first lines where it could not be): on a machine with
 # few cores, a compile at normal priority preempts the loop's intra-op threads, whose barrier
 # then waits a whole scheduler slice (a 0.4 ms step measured at 2-6 ms; at nice 19, 0.5 ms).
 # Where the system has it, the child is also in the idle scheduling class (SCHED_IDLE: it
@@ -192,10 +193,10 @@ class CompileProcess:
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (root, env.get("PYTHONPATH")) if p)
         self.started += 1
-        argv = [sys.executable, "-c", _CHILD if low else _CHILD_NORMAL]
+        argv = [sys.executable, "-c", _CHILD_NORMAL]
         if not low:
             return _popen(argv, env)
-        proc = _born_low(argv, env)
+        proc = _born_low(argv, env, lowering_argv=[sys.executable, "-c", _CHILD])
         _renice(proc.pid, LOW)  # where it could not be born low: from here on
         return proc
 
@@ -306,17 +307,24 @@ def _popen(argv, env) -> subprocess.Popen:
 # So the child is started by a short-lived thread that lowers itself first (on Linux the
 # class and niceness belong to a thread); the loop's thread never changes its own priority
 # (an unprivileged thread may not raise it back).
-def _born_low(argv, env) -> subprocess.Popen:
+# A child born low runs no lowering lines of its own: on a machine whose cores were busy it
+# ran its first line only after its parent had found it starved and raised it (Note [Starved
+# compiles]), and that line put it back in the idle class, where it starved on for good (a
+# compile under two busy processes on 2 cores: still not done after 90 s, the child at 0 %).
+# Only where its parent could not lower the starting thread does the child lower itself
+# (``lowering_argv``).
+def _born_low(argv, env, lowering_argv=None) -> subprocess.Popen:
     box = []
 
     def start():
+        chosen = argv
         try:
             os.setpriority(os.PRIO_PROCESS, 0, LOW)  # this thread (Linux: per thread)
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         except (AttributeError, OSError):
-            pass  # the child's own first line and _renice lower it
+            chosen = lowering_argv or argv  # it lowers itself first, and _renice lowers it
         try:
-            box.append(_popen(argv, env))
+            box.append(_popen(chosen, env))
         except OSError as e:
             box.append(e)
 

@@ -329,6 +329,26 @@ def test_the_child_idles_in_the_idle_class_and_leaves_it_when_raised():
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="no idle scheduling class here")
+def test_a_child_raised_before_its_first_line_stays_raised():
+    """Note [A child born low]: on busy cores a starved child can be raised before it has run
+    a line; born low, it has no lines of its own that lower it again (it did, and starved)."""
+    child = compile_process.CompileProcess()
+    proc = child._start()
+    try:
+        mine = os.getpriority(os.PRIO_PROCESS, 0)
+        if not compile_process._renice(proc.pid, mine):  # as a starved request raises it
+            pytest.skip("this system does not let a process raise its child's priority")
+        child._proc = proc
+        with pytest.raises(TypeError):  # answered: its program has run its first lines
+            child.request(compile_process.pack(()))
+        assert os.sched_getscheduler(proc.pid) == os.SCHED_OTHER
+        assert os.getpriority(os.PRIO_PROCESS, proc.pid) == mine
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="no idle scheduling class here")
 def test_the_child_is_born_low_and_this_thread_keeps_its_priority():
     """Note [A child born low]: the child's first instruction already runs at the lowest
     priority (the parent lowering it after the start, or its own first line, come late)."""
