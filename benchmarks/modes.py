@@ -60,9 +60,9 @@ def _compile(builder, device, size):
     if device == "neuron":
         import adaptive_eager.neuron as neuron
 
-        if neuron.is_emulated():
-            raise NotApplicable("torch.compile has no backend for the emulated neuron device "
-                                "(torch-neuronx provides one)")
+        if neuron.is_emulated() and not neuron.is_native():
+            raise NotApplicable("torch.compile's neuron backend runs on the C++ emulated "
+                                "device, not the Python emulator")
     w = builder(device, size)
     kw = {"backend": "neuron"} if device == "neuron" else {}
     if device == "cuda":

@@ -38,7 +38,10 @@ TINY = ("--size", "tiny", "--repeat", "1", "--warm-steps", "2", "--warmup-s", "2
 @pytest.mark.parametrize("device", ["cpu", "neuron"])
 def test_every_workload_and_mode_runs_a_step(device, tmp_path):
     out = tmp_path / "r.json"
-    r = _suite(*TINY, "--device", device, "--json", str(out))
+    # torch.compile on neuron: test_torch_compile_runs_on_neuron (its compiles are in process)
+    modes = () if device == "cpu" else (
+        "--modes", ",".join(m for m in suite.MODE_NAMES if m != "torch.compile"))
+    r = _suite(*TINY, "--device", device, "--json", str(out), *modes)
     failed = [ln for ln in r.stdout.splitlines() if "FAILED" in ln]
     assert r.returncode == 0, (failed, r.stdout[-2000:], r.stderr[-3000:])
     res = json.loads(out.read_text())
@@ -46,9 +49,10 @@ def test_every_workload_and_mode_runs_a_step(device, tmp_path):
     skipped = set(res["not_applicable"])
     if device == "cpu":
         assert not skipped
-    else:  # the emulated device has no torch.compile backend; lazy is cpu only
-        assert skipped == {"torch.compile", "torch._lazy"}
-    modes = [m for m in suite.MODE_NAMES if m not in skipped]
+    else:  # lazy is cpu only
+        assert skipped == {"torch._lazy"}
+    modes = [m for m in suite.MODE_NAMES if m not in skipped and not (
+        device == "neuron" and m == "torch.compile")]
     assert ran == {(w, m) for w in suite.WORKLOAD_NAMES for m in modes}
     assert res["failed"] == []
     # each mode ran on the main thread of a process of its own
@@ -63,6 +67,22 @@ def test_every_workload_and_mode_runs_a_step(device, tmp_path):
     # the table is printed, with a row per workload x mode
     assert r.stdout.count("\n| ") == 1 + len(ran)
     assert res["machine"]["torch"] == torch.__version__
+
+
+def test_torch_compile_runs_on_neuron(tmp_path):
+    """The suite's torch.compile mode on the emulated device: its neuron backend (Note [The
+    neuron compile backend]), a few launches a step where eager has one an op."""
+    out = tmp_path / "r.json"
+    r = _suite("--size", "tiny", "--repeat", "1", "--warm-steps", "2", "--warmup-s", "20",
+               "--workloads", "chain-small,mlp-train", "--modes", "eager,torch.compile",
+               "--device", "neuron", "--json", str(out))
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
+    res = json.loads(out.read_text())
+    assert res["failed"] == [] and not res["not_applicable"]
+    rows = {(row["workload"], row["mode"]): row for row in res["rows"]}
+    for w in ("chain-small", "mlp-train"):
+        compiled, eager = rows[(w, "torch.compile")], rows[(w, "eager")]
+        assert compiled["launches"] < eager["launches"], (compiled, eager)
 
 
 @pytest.mark.parametrize("args, bad, accepted", [

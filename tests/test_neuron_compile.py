@@ -183,3 +183,38 @@ def test_an_error_in_a_compiled_graph_is_raised_at_the_next_sync():
         torch.compile(f, backend="neuron")(x, bad).cpu()
     torch.testing.assert_close(torch.compile(f, backend="neuron")(x, bad[:1]).cpu(),
                                f(x, bad[:1]).cpu())  # the device is usable again
+
+
+def test_attention_compiles_to_the_kernel_eager_chose():
+    """The device picks scaled_dot_product_attention's kernel from the inputs' shapes; traced,
+    it picks it from their metadata (no memory to read), so the graph runs eager's kernel."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 16, 8, device="neuron") for _ in range(3))
+
+    def f(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    before = launches()
+    got = torch.compile(f, backend="neuron")(q, k, v)
+    assert compiled_launches(before) == 1
+    torch.testing.assert_close(got.cpu(), f(q, k, v).cpu(), rtol=1e-5, atol=1e-6)
+
+
+def test_random_ops_draw_from_the_seeded_generator_in_program_order():
+    """A graph with random ops draws (eager's kernels, fallback_random) from the generator
+    the device's ops draw from, the host waiting for it: a seed reproduces its numbers, and
+    a draw after it on the host sees the generator advanced."""
+    def f(x):
+        return torch.nn.functional.dropout(x, 0.5, training=True) * 2
+
+    c = torch.compile(f, backend="neuron")
+    x = torch.ones(64, 64, device="neuron")
+    torch.manual_seed(3)
+    a, after_a = c(x).cpu(), torch.rand(3)
+    torch.manual_seed(3)
+    b, after_b = c(x).cpu(), torch.rand(3)
+    torch.testing.assert_close(a, b)
+    torch.testing.assert_close(after_a, after_b)
+    torch.manual_seed(3)
+    assert not torch.equal(torch.rand(3), after_a)  # the graph drew before it
+    assert 0.3 < (a == 0).float().mean().item() < 0.7

@@ -14,7 +14,10 @@ returns, before the launch has run, so the graph is traced again for the CPU wit
 input per output it computes, which it writes (Inductor fuses the write into the kernel that
 computes the value). At the call the host allocates those outputs on the device from their
 sizes (under ``dynamic=True`` read from the inputs' sizes), gives the graph host views of
-every device tensor (``host_alias``: no copy), and queues it. An output that is a view of an
+every device tensor (``host_alias``: no copy), and queues it. Random ops call eager's kernels
+(Inductor's ``fallback_random``), which draw from the generator the device's eager ops draw
+from, and the host waits for a graph that draws, so numbers are drawn in program order as
+the engine's replays draw them. An output that is a view of an
 input or of another output is made on the host as that view. A CPU tensor passed in is read
 at the call, as eager would read it. An error in a graph's kernels is raised at the next sync
 point with the graph's name, as a device error is.
@@ -149,8 +152,12 @@ def _compile(gm, example_inputs):
     traced = make_fx(torch.func.functionalize(program, remove="mutations"),
                      decomposition_table=select_decomp_table(),
                      tracing_mode="fake")(*ins, *bufs)
-    with inductor_config.patch(size_asserts=False), tracing(TracingContext(fake_mode)):
+    # random ops call eager's kernels, which draw from the generator eager's draw from
+    with inductor_config.patch(size_asserts=False, fallback_random=True), \
+            tracing(TracingContext(fake_mode)):
         compiled = compile_fx_inner(traced, [*ins, *bufs], is_inference=True)
+    draws = any(torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())
+                for n in gm.graph.nodes if n.op == "call_function")
     kernel = getattr(compiled, "current_callable", None) or compiled
     sizes = _SizeReader(in_vals)
     alias = ext.host_alias
@@ -176,6 +183,8 @@ def _compile(gm, example_inputs):
         host += [alias(t) for t in written]
         args.clear()
         launch(lambda: _run(kernel, gm, host, n_in), LAUNCH_NAME)
+        if draws:  # the host waits while the device draws: numbers drawn in program order
+            ext.wait("random ops in a torch.compile graph")
         return outs
 
     run._boxed_call = True

@@ -21,15 +21,49 @@ namespace {
 // scaled_dot_product_attention: ATen asks a per-device stub which kernel to use. cpu's
 // choice depends on shapes, dtypes and flags only (no data is read), so it is asked on host
 // aliases; where cpu fuses, the device issues cpu's fused op with the mask as cpu prepares it.
+// Traced (torch.compile's fake and functional tensors: no memory to alias), the choice is
+// asked on CPU tensors of the same sizes, strides and dtype that own no memory, so the traced
+// graph holds the kernel eager runs; with symbolic sizes, the unfused form.
+bool traced(const at::Tensor& t) {
+  const auto keys = t.key_set();
+  return keys.has(c10::DispatchKey::Python) || keys.has(c10::DispatchKey::Functionalize);
+}
+
+at::Tensor shape_only(const at::Tensor& t) {
+  auto out = at::empty({0}, t.options().device(c10::kCPU));
+  out.unsafeGetTensorImpl()->set_sizes_and_strides(t.sizes(), t.strides());
+  return out;
+}
+
+int64_t sdp_choice(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                   const std::optional<at::Tensor>& mask, double dropout_p, bool is_causal,
+                   std::optional<double> scale, bool enable_gqa) {
+  at::AutoDispatchBelowAutograd below;  // the choice is not part of the graph
+  const bool has_mask = mask && mask->defined();
+  if (!(traced(q) || traced(k) || traced(v) || (has_mask && traced(*mask)))) {
+    return at::_fused_sdp_choice(host_alias(q), host_alias(k), host_alias(v),
+                                 host_or_none(mask), dropout_p, is_causal, scale, enable_gqa);
+  }
+  for (const at::Tensor* t : {&q, &k, &v}) {
+    if (t->unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
+      return static_cast<int64_t>(sdp::SDPBackend::math);
+    }
+  }
+  if (has_mask && mask->unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
+    return static_cast<int64_t>(sdp::SDPBackend::math);
+  }
+  std::optional<at::Tensor> m;
+  if (has_mask) {
+    m = shape_only(*mask);
+  }
+  return at::_fused_sdp_choice(shape_only(q), shape_only(k), shape_only(v), m, dropout_p,
+                               is_causal, scale, enable_gqa);
+}
+
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const std::optional<at::Tensor>& mask, double dropout_p, bool is_causal,
                      std::optional<double> scale, bool enable_gqa) {
-  int64_t choice;
-  {
-    at::AutoDispatchBelowAutograd below;  // the choice is not part of the graph
-    choice = at::_fused_sdp_choice(host_alias(q), host_alias(k), host_alias(v),
-                                   host_or_none(mask), dropout_p, is_causal, scale, enable_gqa);
-  }
+  const int64_t choice = sdp_choice(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa);
   std::optional<at::Tensor> m = mask;
   if (m && m->defined() && m->dtype() == at::kBool) {
     auto zero = at::scalar_tensor(0.0, q.options().device(c10::kCPU));
