@@ -218,3 +218,31 @@ def test_random_ops_draw_from_the_seeded_generator_in_program_order():
     torch.manual_seed(3)
     assert not torch.equal(torch.rand(3), after_a)  # the graph drew before it
     assert 0.3 < (a == 0).float().mean().item() < 0.7
+
+
+def test_a_compiled_model_trains_under_the_engine_as_without_it():
+    """Forward and backward compiled, the loss, clipping and optimizer eager: under the engine
+    the eager part replays, and a backward graph called by autograd launches what the engine
+    holds first (its inputs; before, it read them unwritten from step 5 on)."""
+    def train():
+        torch.manual_seed(0)
+        model = Net().to("neuron")
+        compiled = torch.compile(model, backend="neuron")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        x, y = torch.randn(8, 16).to("neuron"), torch.randn(8, 4).to("neuron")
+        losses = []
+        for _ in range(8):
+            loss = torch.nn.functional.mse_loss(compiled(x), y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    want = train()
+    torch._dynamo.reset()
+    with ae.enabled(devices=("neuron",)):
+        got = train()
+        assert ae.stats().replays > 0
+    assert got == want

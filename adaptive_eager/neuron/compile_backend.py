@@ -20,12 +20,21 @@ from, and the host waits for a graph that draws, so numbers are drawn in program
 the engine's replays draw them. An output that is a view of an
 input or of another output is made on the host as that view. A CPU tensor passed in is read
 at the call, as eager would read it. An error in a graph's kernels is raised at the next sync
-point with the graph's name, as a device error is.
+point as eager raises it (the graph's ATen ops are run one by one to find it).
+Beside the engine: the forward graph is called inside the compiled function, where the engine
+stands aside (Note [Beside torch.compile]); a backward graph is called by autograd, where the
+engine runs, so the call is a boundary of the engine's (what it holds computes the graph's
+inputs: without it the graph read them unwritten) and runs outside it; and graphs are
+compiled on a thread of their own, whose dispatch state is clean.
 """
 
 from __future__ import annotations
 
+import sys
+import threading
+
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _mode_stack
 
 __all__ = ["neuron_backend", "LAUNCH_NAME"]
 
@@ -119,7 +128,31 @@ def _cpu_like(v):
 
 
 def _compile(gm, example_inputs):
-    """One AOT graph (forward, backward or inference) for the device: a boxed callable."""
+    """One AOT graph (forward, backward or inference) for the device: a boxed callable.
+
+    Compiled on a thread of its own: a backward graph is compiled at the first
+    ``backward()``, outside the compiled call, where the engine's mode and dispatch key may be
+    on (the thread's dispatch state, which autograd's threads inherit); a new thread starts
+    with none, so the compile's tracing never reaches the engine (it is no program op)."""
+    box: dict = {}
+    grad = torch.is_grad_enabled()
+
+    def work():
+        try:
+            with torch.set_grad_enabled(grad):
+                box["run"] = _compile_graph(gm, example_inputs)
+        except BaseException as e:  # noqa: BLE001 -- raised on the calling thread
+            box["error"] = e
+
+    thread = threading.Thread(target=work, name="adaptive_eager-neuron-compile", daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["run"]
+
+
+def _compile_graph(gm, example_inputs):
     from torch._guards import detect_fake_mode, tracing, TracingContext
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx_inner
@@ -164,6 +197,16 @@ def _compile(gm, example_inputs):
     launch = ext.launch
 
     def run(args):
+        mode = _engine_mode()
+        if mode is None:
+            return call(args)
+        # a backward graph, called by autograd under the engine: what the engine holds is
+        # launched first (it computes this graph's inputs), and the call runs outside it
+        mode.boundary("torch.compile graph")
+        with mode.outside():
+            return call(args)
+
+    def call(args):
         env = sizes.bind(args)
         outs = []
         written = []
@@ -189,6 +232,18 @@ def _compile(gm, example_inputs):
 
     run._boxed_call = True
     return run
+
+
+def _engine_mode():
+    """The engine's mode on this thread's dispatch stack (autograd's threads inherit it), or
+    None."""
+    mode = sys.modules.get("adaptive_eager.tracer.mode")
+    if mode is None:
+        return None
+    for m in reversed(_mode_stack()):
+        if isinstance(m, mode.AdaptiveEagerMode):
+            return m
+    return None
 
 
 def _run(kernel, gm, host: list, n_in: int) -> None:
