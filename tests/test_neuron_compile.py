@@ -246,3 +246,34 @@ def test_a_compiled_model_trains_under_the_engine_as_without_it():
         got = train()
         assert ae.stats().replays > 0
     assert got == want
+
+
+def test_a_compiled_optimizer_step_updates_as_eager():
+    def run(compile_step):
+        torch.manual_seed(0)
+        params = [torch.randn(6, 5, device="neuron", requires_grad=True) for _ in range(3)]
+        opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+        step = torch.compile(opt.step, backend="neuron") if compile_step else opt.step
+        for _ in range(3):
+            for p in params:
+                p.grad = p.detach() * 0.5 + 1
+            step()
+        return [p.detach().cpu() for p in params]
+
+    want = run(False)
+    before = launches()
+    got = run(True)
+    assert compiled_launches(before) >= 2  # the steps after the first (which sets momentum)
+    torch.testing.assert_close(got, want)
+
+
+def test_flex_attention_refuses_the_device_compiled_as_in_eager():
+    """PyTorch's FlexAttention runs on cpu, cuda, hpu and mps only: on neuron it raises its
+    own error, compiled or not."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    q = torch.randn(1, 2, 16, 8, device="neuron")
+    with pytest.raises(ValueError, match="neuron") as eager:
+        flex_attention(q, q, q)
+    with pytest.raises(type(eager.value), match="neuron"):
+        torch.compile(flex_attention, backend="neuron")(q, q, q)
