@@ -274,7 +274,9 @@ def test_torchneuronx_graphs_compile_through_its_torch_compile_backend():
     class FakeNeuronxQueue(queues.ImmediateQueue):
         compile_backend = "neuron"
 
-    assert "neuron" not in registry._COMPILER_FNS
+    # the emulated device's own neuron backend (its entry point) may be registered already:
+    # the fake stands in for torch-neuronx's for this test, then the registry is as it was
+    saved = (registry._COMPILER_FNS.pop("neuron", None), registry._BACKENDS.pop("neuron", None))
     registry.register_backend(fake_neuron_backend, name="neuron")
     queues.register_queue("cpu", FakeNeuronxQueue())
     try:
@@ -295,6 +297,10 @@ def test_torchneuronx_graphs_compile_through_its_torch_compile_backend():
     finally:
         registry._COMPILER_FNS.pop("neuron", None)
         registry._BACKENDS.pop("neuron", None)
+        if saved != (None, None):
+            registry._BACKENDS["neuron"] = saved[1]
+            if saved[0] is not None:
+                registry._COMPILER_FNS["neuron"] = saved[0]
         queues._QUEUES.pop("cpu", None)
         ae.reset()
 
