@@ -326,7 +326,11 @@ def test_an_error_never_synchronized_is_reported_at_exit():
 def test_host_tensors_are_read_when_the_op_is_issued():
     big = torch.randn(700, 700, device=DEV)
     torch.neuron.synchronize()
-    busy = big @ big @ big  # keeps the worker busy while the host goes on
+    # a quarter second a launch on the device's clock: the device is still busy when the host
+    # asks below, however long a loaded machine keeps the host from running (the kernels'
+    # own time alone was not always enough)
+    neuron.set_launch_latency_us(250_000)
+    busy = big @ big @ big  # keeps the device busy while the host goes on
     host = torch.ones(1000)
     dev = torch.zeros(1000, device=DEV)
     dev.copy_(host)  # queued behind the matmuls
