@@ -18,7 +18,7 @@ from __future__ import annotations
 
 __all__ = [
     "enable", "disable", "enabled", "paused", "is_enabled", "mark_step", "synchronize",
-    "wait_compiles", "stats", "explain", "reset",
+    "wait_compiles", "stats", "explain", "reset", "cache_info", "cache_clear",
 ]
 
 __version__ = "0.1.0"
@@ -165,3 +165,28 @@ def explain():
 def reset() -> None:
     """Flush, then clear the trie, the compile cache and all counters."""
     _engine().reset()
+
+
+def _warm_config():
+    from .config import resolve
+
+    return _engine().config() if is_enabled() else resolve()
+
+
+def cache_info() -> dict:
+    """The warm-start cache (README, Warm start): ``enabled``, its ``directory``, ``files``
+    and ``bytes`` (every environment), ``limit`` (bytes), this program's kept ``paths``, the
+    kept ``graphs``, and this process's ``reads``, ``writes``, ``evicted`` and ``rejected``
+    (corrupted or foreign entries ignored). ``ae.stats()`` counts the paths restored and the
+    graphs loaded."""
+    from adaptive_eager.tracer import warm
+
+    return warm.info(_warm_config())
+
+
+def cache_clear() -> int:
+    """Empty the warm-start cache (every program and environment); returns the files
+    removed. What this process has already restored stays in use."""
+    from adaptive_eager.tracer import warm
+
+    return warm.clear(_warm_config())

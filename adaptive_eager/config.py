@@ -31,7 +31,7 @@ class ConfigError(ValueError):
 class Var:
     env: str  # environment variable name
     field: str  # Config field (and ae.enable keyword, where one exists)
-    kind: str  # "bool" | "int" | "float" | "choice" | "devices"
+    kind: str  # "bool" | "int" | "float" | "choice" | "devices" | "path"
     default: object
     doc: str
     minimum: float | None = None
@@ -95,6 +95,17 @@ VARIABLES: tuple[Var, ...] = (
         "recorded by compiled code; ops it cannot serve use Python, counted) or `python` "
         "(generated Python, needing no compiler). `key` and `cpp` are built once with the "
         "machine's compiler.", choices=("key", "cpp", "python")),
+    Var("NEURON_ADAPTIVE_EAGER_WARM_START", "warm_start", "bool", True,
+        "1: the paths the engine learns and the graphs it compiles are kept on disk, and a "
+        "later run of the same program starts from them (its known steps replay at once); "
+        "0: every run learns anew."),
+    Var("NEURON_ADAPTIVE_EAGER_CACHE_DIR", "cache_dir", "path", None,
+        "Directory of the warm-start cache (created 0700; one not private to the user is "
+        "refused). Default: `$XDG_CACHE_HOME/adaptive_eager/warm`, else "
+        "`~/.cache/adaptive_eager/warm`."),
+    Var("NEURON_ADAPTIVE_EAGER_CACHE_MB", "cache_mb", "int", 1024,
+        "Size bound of the warm-start cache in MiB; past it the least recently used "
+        "entries are removed.", minimum=1),
     Var("NEURON_EMULATOR_LAUNCH_US", "emulator_launch_us", "float", 10.0,
         "Modelled launch latency of the emulated `neuron` device, in microseconds, paid per "
         "launch on the device's timeline (not by the host); see README, The neuron device.",
@@ -132,6 +143,9 @@ class Config:
     compile_process: bool = True
     cpp_wrapper: bool = True
     hot_path: str = "key"
+    warm_start: bool = True
+    cache_dir: str | None = None
+    cache_mb: int = 1024
 
     def backend_for(self, device_type: str) -> str:
         """Backend used for segments on ``device_type``."""
@@ -145,6 +159,8 @@ def _accepted(var: Var) -> str:
         return ", ".join(repr(c) for c in var.choices)
     if var.kind == "devices":
         return "a comma list of " + ", ".join(repr(c) for c in DEVICES)
+    if var.kind == "path":
+        return "a directory path"
     lo = "" if var.minimum is None else f">= {var.minimum}"
     hi = "" if var.maximum is None else f"<= {var.maximum}"
     what = "an integer" if var.kind == "int" else "a number"
@@ -165,6 +181,10 @@ def _parse(var: Var, value: object, name: str):
             return bool(value)
         if isinstance(value, str) and value.strip().lower() in TRUE + FALSE:
             return value.strip().lower() in TRUE
+        raise _bad(name, value, var)
+    if kind == "path":
+        if isinstance(value, (str, os.PathLike)) and str(os.fspath(value)).strip():
+            return os.path.expanduser(str(os.fspath(value)).strip())
         raise _bad(name, value, var)
     if kind == "choice":
         if isinstance(value, str) and value.strip().lower() in var.choices:

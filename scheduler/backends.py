@@ -133,6 +133,11 @@ class Graph:
     wrapper_failed: str | None = None
     # Note [Family graphs] (scheduler.symbolic): the sizes a family's symbolic graph admits
     size_guards: object = None
+    # What the warm-start cache keeps of it (Note [Warm start], tracer.warm): the compile
+    # process's reply and what ``_compiled_graph`` needs, for ``load_artifact``; None for a
+    # graph this process compiled itself (a later run compiles it again)
+    artifact: tuple | None = None
+    loaded: bool = False  # loaded from the warm-start cache, not compiled
 
 
 def graph_device(ext_metas, live_metas: dict, device_map=None) -> torch.device:
@@ -419,12 +424,25 @@ def remote_inductor_graph(specs, ext_metas, live_metas: dict, the_plan: Plan, sp
     request = compile_process.pack((sent, ext_metas, live_metas, the_plan, spec_values,
                                      device_map, kernels, cpp_wrapper, size))
     blob, code, seconds, failed, guards = compile_process.shared().request(request)
+    artifact = (blob, code, seconds, failed, guards, tuple(ext_metas), dict(live_metas),
+                the_plan, tuple(spec_values), len(specs), device_map)
+    graph = load_artifact(artifact)
+    graph.artifact = artifact
+    return graph
+
+
+def load_artifact(artifact) -> Graph:
+    """The graph of a compile process's reply (``remote_inductor_graph``), or of one the
+    warm-start cache kept: loading runs the generated wrapper, whose kernels are in
+    Inductor's cache directory (milliseconds; built again there if they are gone)."""
+    (blob, code, seconds, failed, guards, ext_metas, live_metas, the_plan, spec_values,
+     n_ops, device_map) = artifact
     compiled = pickle.loads(blob)
     from torch._inductor.output_code import CompiledFxGraphConstants
 
     compiled.after_deserialization(CompiledFxGraphConstants())
     return _compiled_graph(compiled.current_callable, code, seconds, ext_metas, live_metas,
-                           the_plan, spec_values, len(specs), device_map, wrapper_failed=failed,
+                           the_plan, spec_values, n_ops, device_map, wrapper_failed=failed,
                            size_guards=guards)
 
 

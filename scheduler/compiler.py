@@ -30,13 +30,14 @@ log = logging.getLogger("adaptive_eager")
 
 
 class GraphKey:
-    __slots__ = ("path", "backend", "variant", "_hash")
+    __slots__ = ("path", "backend", "variant", "_hash", "digest")
 
     def __init__(self, path: tuple, backend: str, variant: tuple):
         self.path = path
         self.backend = backend
         self.variant = variant
         self._hash = hash((path, backend, variant))
+        self.digest = None  # its graph file's name in the warm-start cache (tracer.warm)
 
     def __hash__(self):
         return self._hash

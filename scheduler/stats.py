@@ -18,6 +18,7 @@ log = logging.getLogger("adaptive_eager")
 _FIELDS = (
     "ops_deferred", "ops_eager", "ops_views", "ops_host", "ops_passthrough",
     "replays", "graphs_compiled", "cache_hits", "cache_misses", "segments", "steps_suspended",
+    "paths_restored", "graphs_loaded",
 )
 
 
@@ -137,6 +138,8 @@ class Stats:
     cache_misses: int = 0
     segments: int = 0
     steps_suspended: int = 0  # governor steps run in plain eager, the engine aside
+    paths_restored: int = 0  # paths a run before this one learned (Note [Warm start])
+    graphs_loaded: int = 0  # their graphs, loaded from the warm-start cache, not compiled
     compile_seconds: float = 0.0
     fallbacks: dict = dataclasses.field(default_factory=dict)
     boundaries: dict = dataclasses.field(default_factory=dict)
@@ -162,6 +165,8 @@ class Stats:
             ("graphs compiled", self.graphs_compiled),
             ("  compile time in background (s)", f"{self.compile_seconds:.2f}"),
             ("cache hits / misses", f"{self.cache_hits} / {self.cache_misses}"),
+            ("paths restored from the warm-start cache", self.paths_restored),
+            ("  graphs loaded from it", self.graphs_loaded),
             ("segments", self.segments),
             ("steps with the engine aside (slower)", self.steps_suspended),
         ]

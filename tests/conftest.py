@@ -26,6 +26,9 @@ if os.environ.get("ADAPTIVE_EAGER_TEST_HOT_PATH"):
 os.environ["NEURON_ADAPTIVE_EAGER_CPP_WRAPPER"] = "0"
 os.environ["NEURON_ADAPTIVE_EAGER_SUSPEND_RATIO"] = "0"
 os.environ["NEURON_ADAPTIVE_EAGER_RETIRE_RATIO"] = "0"
+# Every test learns from nothing: what one run kept (Note [Warm start]) must not make another
+# run's counts differ. The warm-start tests turn it on with a directory of their own.
+os.environ["NEURON_ADAPTIVE_EAGER_WARM_START"] = "0"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

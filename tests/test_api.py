@@ -16,11 +16,11 @@ def chain(x):
 def test_all_names():
     assert set(ae.__all__) == {
         "enable", "disable", "enabled", "paused", "is_enabled", "mark_step", "synchronize",
-        "wait_compiles", "stats", "explain", "reset",
+        "wait_compiles", "stats", "explain", "reset", "cache_info", "cache_clear",
     }
     s = ae.stats()
     for name in ("ops_intercepted", "ops_deferred", "ops_eager", "launches", "graphs_compiled",
-                 "cache_hits", "cache_misses"):
+                 "cache_hits", "cache_misses", "paths_restored", "graphs_loaded"):
         assert isinstance(getattr(s, name), int)
     assert isinstance(s.fallbacks, dict)
     assert "adaptive_eager stats" in repr(s) and "launches" in repr(s)

@@ -9,6 +9,7 @@ def test_defaults(monkeypatch):
     monkeypatch.delenv("NEURON_ADAPTIVE_EAGER_SUSPEND_RATIO")  # conftest turns them off
     monkeypatch.delenv("NEURON_ADAPTIVE_EAGER_RETIRE_RATIO")
     monkeypatch.delenv("NEURON_ADAPTIVE_EAGER_CPP_WRAPPER")
+    monkeypatch.delenv("NEURON_ADAPTIVE_EAGER_WARM_START")
     monkeypatch.delenv("NEURON_ADAPTIVE_EAGER_HOT_PATH", raising=False)  # a suite's choice
     c = resolve()
     assert c == Config()

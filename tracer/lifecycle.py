@@ -7,7 +7,7 @@ end): its ops, its state and its compiled variants. Its states::
                                        warm --(compile refused or failed)--> hot, exact
 
 * cold: segments along it run eagerly and end there (``after_end`` counts them);
-* warm: it defers (the trie's nodes on it are marked hot, ``_mark_hot``) and each segment
+* warm: it defers (the trie's nodes on it are marked hot, ``mark_hot``) and each segment
   launches as one exact replay while its fused graph compiles (Note [Warm paths replay
   exactly]); the ``exact`` backend goes straight to hot;
 * hot: its segments launch the fused graph of their variant (``graph_for``), or, where the
@@ -69,12 +69,12 @@ from adaptive_eager.scheduler.program import (InductorDiffers, OpFailed, Rec, al
                                               host_call)
 from adaptive_eager.scheduler.queues import queue_for
 
-from . import families, native, trie
+from . import families, native, trie, warm
 from .signature import make_fast
 from .trie import Node
 
 __all__ = ["COLD", "WARM", "HOT", "RETIRED", "Path", "path_of", "after_end", "graph_for",
-           "install", "retire", "block", "cut"]
+           "install", "retire", "block", "cut", "mark_hot"]
 
 log = logging.getLogger("adaptive_eager")
 
@@ -131,6 +131,8 @@ class Path:
         self.gid = 0
         self._randoms = None  # (op index, spec, probability argument) of its random ops
         self.zero_draws = None  # (tracer.hot_plan._zero_draws's answer,), once
+        self.from_disk = False  # restored from the warm-start cache (Note [Warm start])
+        self.unkept = False  # its record could not be written (counted once)
 
     def __repr__(self):
         return f"Path({len(self.specs)} ops, {self.state}, {self.backend})"
@@ -301,7 +303,8 @@ def _warm(mode, node: Node, path: Path) -> None:
     if path.backend == "exact":
         path.state = HOT
         mode.counters.graphs_compiled += 1
-        _mark_hot(mode, node)
+        mark_hot(mode, node)
+        warm.keep(mode, path)  # Note [Warm start]
         if mode.debug >= 1:
             log.info("graph%d ready: exact replay of %d ops (%s)", path.gid, len(path.specs),
                      path.specs[0].line)
@@ -309,7 +312,7 @@ def _warm(mode, node: Node, path: Path) -> None:
     S = mode.seg
     live = tuple(i for i in path.fresh if S.alive(i))
     path.state = WARM
-    _mark_hot(mode, node)  # Note [Warm paths replay exactly]
+    mark_hot(mode, node)  # Note [Warm paths replay exactly]
     variant = path.variant(live, S.floats)
     fam = mode.families.get(path.family)
     if fam is None:
@@ -322,6 +325,7 @@ def _warm(mode, node: Node, path: Path) -> None:
     if d.kind == families.OVER:
         path.fused_off = "shape variants over budget"
         path.state = HOT
+        warm.keep(mode, path)
     elif d.kind == families.JOIN:
         path.variants[variant] = fam.key
         if fam.guards is None:  # still compiling: installed with the family's graph
@@ -329,6 +333,7 @@ def _warm(mode, node: Node, path: Path) -> None:
             fam.waiting.append((path, variant, d.size))
         else:
             path.state = HOT
+            warm.keep(mode, path)
     elif d.kind == families.SYMBOLIC:
         fam.key = path.graph_key(variant, symbolic=True)
         request(mode, path, variant, d.template, d.size, fam.key)
@@ -344,10 +349,11 @@ def request(mode, path: Path, variant, template=None, size=None, key=None) -> No
         log.info("compiling graph%d: %d ops, %d live outputs (%s .. %s)%s", path.gid,
                  len(path.specs), len(variant[0]), path.specs[0].line, path.specs[-1].line,
                  " for every size of its family" if template is not None else "")
-    mode.engine.compiler.request(key, path.builder(variant, mode.config.compile_process,
-                                                   mode.config.cpp_wrapper, template, size),
-                                 mode.inbox,
-                                 (mode.generation, path, variant))
+    build = path.builder(variant, mode.config.compile_process, mode.config.cpp_wrapper,
+                         template, size)
+    if mode.warm is not None:  # the graph's file is written when it is built
+        build = warm.persisting(build, key, mode.warm)
+    mode.engine.compiler.request(key, build, mode.inbox, (mode.generation, path, variant))
 
 
 def install(mode) -> None:
@@ -382,9 +388,13 @@ def install(mode) -> None:
             if path.state == WARM:
                 path.state = HOT
             continue
-        if built:
+        if built and graph.loaded:  # Note [Warm start]
+            c.graphs_loaded += 1
+        elif built:
             c.graphs_compiled += 1
             c.compile_seconds += graph.compile_seconds
+            if path.from_disk:
+                c.fallback("warm start: a kept graph was missing or did not load: compiled")
             if graph.wrapper_failed:  # Note [C++ wrappers] (scheduler/backends.py)
                 c.fallback(f"C++ wrapper not built ({path.specs[0].line}): "
                            f"{graph.wrapper_failed}; Inductor's Python wrapper runs the graph")
@@ -396,6 +406,8 @@ def install(mode) -> None:
             log.debug("graph%d code:\n%s", path.gid, graph.code)
         if path.state == WARM:
             path.state = HOT
+        if not graph.loaded:
+            warm.keep(mode, path)
 
 
 def _install_family(mode, path: Path, variant, graph, error) -> None:
@@ -415,6 +427,7 @@ def _install_family(mode, path: Path, variant, graph, error) -> None:
             continue
         if error is None and fam.guards.admit(size):
             member.state = HOT
+            warm.keep(mode, member)
             continue
         member.fused_off = fam.failed or f"the family graph does not admit size {size}"
         mode.counters.fallback(f"{member.fused_off}: replayed exactly ({member.specs[0].line})")
@@ -432,6 +445,7 @@ def retire(mode, path: Path, reason: str) -> None:
         path.end.fast_end = None
     if was_hot:
         _unmark_hot(path.end)
+    warm.forget(mode, path)
 
 
 def graph_for(mode, path: Path, live: tuple):
@@ -475,6 +489,9 @@ def graph_for(mode, path: Path, live: tuple):
         return None
     if variant not in path.pending:  # new, or evicted from the cache since
         request(mode, path, variant)
+    elif path.from_disk and type(key.path) is tuple and key.path[:1] == ("warm",):
+        counters.fallback("graph loading from the warm-start cache: replayed exactly")
+        return None
     counters.fallback("variant compiling: replayed exactly")
     return None
 
@@ -503,7 +520,7 @@ def written_input_aliased(the_plan, exts, groups_of=alias_groups) -> bool:
 
 # ---------------------------------------------------------------- marking the trie
 
-def _mark_hot(mode, end: Node) -> None:
+def mark_hot(mode, end: Node) -> None:
     """A graph for the path ending at ``end`` is ready: make the path deferrable."""
     nodes = end.chain()
     compiled = mode.config.hot_path != "python"

@@ -48,7 +48,7 @@ from adaptive_eager.scheduler.program import Val
 from adaptive_eager.scheduler.stats import Counters
 from adaptive_eager.scheduler.userline import user_line as _user_line
 
-from . import hot_plan, learn, lifecycle, trie
+from . import hot_plan, learn, lifecycle, trie, warm
 from .optable import OpClass, info as op_info
 from .segment import Segment, release_weak
 from .signature import MISS, Unsupported, describe_kind, is_plain, observe
@@ -97,6 +97,8 @@ class AdaptiveEagerMode(TorchDispatchMode):
         self.paused = 0
         self.generation = 0  # bumped by reset_state: deliveries for older tries are dropped
         self.governor = None  # set by the engine (adaptive_eager.governor)
+        self.warm = None  # the warm-start store (Note [Warm start], tracer.warm), or None
+        self.warm_env = None  # the environment whose kept paths this trie holds
         self.configure(config)
 
     def configure(self, config) -> None:
@@ -135,6 +137,9 @@ class AdaptiveEagerMode(TorchDispatchMode):
 
             self._keyed = hot_key.load()
             self.settle = functools.partial(self._keyed.hand_back, self)
+        # Note [Warm start]: what an earlier run of this program learned, into this trie
+        self.warm = warm.store_for(config)
+        warm.restore(self)
 
     def key_plan(self):
         """What the hot segment expects next, for the dispatch key to serve, or None."""

@@ -1,0 +1,367 @@
+"""Warm start: what a run learned, kept on disk, and restored into the next run's trie.
+
+Note [Warm start]: every run used to learn its program again (recordings, fast paths, a
+compile per path; the first steps cost several times eager's). The engine now keeps what it
+learned in a private on-disk cache (scheduler.disk_cache, Note [The warm-start store]):
+
+* a *path record* per path that went hot: its ops (each ``OpSpec`` with its signature key,
+  so the trie's nodes are rebuilt exactly as learning built them), the floats it saw
+  (reference and dynamic positions: they decide its variants), the variants it compiled with
+  the digest of each graph, whether it replays exactly (and why), its end's cut, and the
+  size and modification time of each source file its ops came from;
+* a *graph file* per compiled graph: the compile process's reply (Inductor's serialized
+  output, whose kernels sit in Inductor's own cache directory) and what loading it needs.
+
+Both are keyed by the *environment* (torch and this package, down to a digest of the
+package's sources; Python, the machine and its vector ISA; the backend, the C++ wrapper
+setting, the managed devices and the neuron device's implementation; Inductor's
+``TORCHINDUCTOR_*`` settings), and path records by the *program* too (the ``__main__``
+module or script, or ``<interactive>``) and the thread that learned them. When this thread's
+mode is enabled, the records of its program are grafted onto its trie (``restore``): their
+nodes are marked hot and each graph is loaded by the background compiler (its loading is the
+compiler's job, beside the loop), so the program's first occurrence of a known step replays
+at once, exactly, and fused as soon as its graph is in. A restored path is still checked op
+by op like any learned path: a program that changed diverges there and learns anew, and a
+record whose source files changed (size or time) is not restored at all, counted, so no op
+reports a line that moved. A restored graph file that is missing or fails to load is
+compiled as before, counted; a path that retires removes its record.
+
+Records are read with an unpickler that builds only the engine's own value types and
+torch's devices, sizes and ops by name (``_Restricted``), never arbitrary objects. Graph files
+hold generated code; they are only ever read from a directory only this user can write (the
+store refuses any other) and after their checksum holds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import pickle
+import platform
+import sys
+import threading
+
+import torch
+
+from adaptive_eager.scheduler import compile_process, disk_cache
+from adaptive_eager.scheduler.compiler import GraphKey
+
+from . import trie
+from .trie import Node
+
+__all__ = ["store_for", "restore", "keep", "forget", "persisting", "info", "clear"]
+
+FORMAT = 1
+_state = {"store": None, "env": None, "refused": None}
+_lock = threading.Lock()
+_source = None
+
+
+# ---------------------------------------------------------------- keys
+
+def _source_digest() -> str:
+    """A digest of the package's sources: an edited engine never reads an older one's cache."""
+    global _source
+    if _source is None:
+        import adaptive_eager
+        from adaptive_eager import scheduler, tracer
+
+        h = hashlib.sha256()
+        for pkg in (adaptive_eager, scheduler, tracer):
+            for folder, dirs, files in os.walk(os.path.dirname(pkg.__file__)):
+                dirs[:] = sorted(d for d in dirs if d not in ("__pycache__", "build"))
+                for f in sorted(files):
+                    if f.endswith((".py", ".cpp", ".h")):
+                        with open(os.path.join(folder, f), "rb") as fh:
+                            h.update(f.encode() + b"\0" + fh.read())
+        _source = h.hexdigest()
+    return _source
+
+
+def environment(config) -> tuple:
+    """What changes what the engine's ops and graphs compute, for the cache's key."""
+    from adaptive_eager import __version__
+
+    neuron = ""
+    if "neuron" in config.devices:
+        from adaptive_eager import neuron as device
+
+        neuron = ("native" if device.is_native() else "emulated-python"
+                  if device.is_emulated() else "torch-neuronx")
+    inductor_env = tuple(sorted((k, v) for k, v in os.environ.items()
+                                if k.startswith("TORCHINDUCTOR_") and k != "TORCHINDUCTOR_CACHE_DIR"))
+    return ("adaptive_eager", __version__, _source_digest(), "torch", torch.__version__,
+            torch.version.git_version, sys.version, platform.machine(),
+            torch.backends.cpu.get_cpu_capability(), config.backend_for("cpu"),
+            config.cpp_wrapper, tuple(config.devices), neuron, inductor_env, FORMAT)
+
+
+def _digest(obj) -> str:
+    return hashlib.sha256(compile_process.dumps(obj)).hexdigest()[:40]
+
+
+def program() -> str:
+    """The running program, as the cache knows it: ``python -m`` module, script, or
+    ``<interactive>`` (a notebook, the REPL)."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and getattr(spec, "name", None):
+        return "module:" + spec.name
+    f = getattr(main, "__file__", None)
+    return os.path.abspath(f) if f else "<interactive>"
+
+
+def _role() -> str:
+    t = threading.current_thread()
+    return "main" if t is threading.main_thread() else "thread:" + t.name
+
+
+def graph_digest(key: GraphKey) -> str:
+    if type(key.path) is tuple and len(key.path) == 2 and key.path[0] == "warm":
+        return key.path[1]  # a restored key names its file
+    d = getattr(key, "digest", None)
+    if d is None:
+        d = key.digest = _digest((key.path, key.backend, key.variant))
+    return d
+
+
+# ---------------------------------------------------------------- the store
+
+def store_for(config):
+    """The store for ``config``'s environment, or None (warm start off, or the directory
+    refused: said once in one line)."""
+    if not config.warm_start:
+        return None
+    env = _digest(environment(config))
+    with _lock:
+        st = _state["store"]
+        root = os.path.abspath(config.cache_dir or disk_cache.default_root())
+        if st is not None and st.env == env and st.root == root:
+            st.limit = config.cache_mb << 20
+            return st
+        if _state["refused"] == root:
+            return None
+        try:
+            st = disk_cache.Store(root, env, config.cache_mb << 20)
+        except (OSError, disk_cache.StoreRefused) as e:
+            _state["refused"] = root
+            sys.stderr.write(f"adaptive_eager: warm-start cache {root} not used: {e}\n")
+            return None
+        _state["store"] = st
+        return st
+
+
+def info(config) -> dict:
+    st = store_for(config)
+    if st is None:
+        return dict(enabled=False, directory=os.path.abspath(
+            config.cache_dir or disk_cache.default_root()), refused=_state["refused"])
+    out = st.info()
+    out.update(enabled=True, program=program(),
+               paths=len(st.names(_paths_kind())), graphs=len(st.names("graphs")))
+    return out
+
+
+def clear(config) -> int:
+    st = store_for(config)
+    return st.clear() if st is not None else 0
+
+
+def _paths_kind() -> str:
+    return "paths-" + _digest((program(), _role()))[:16]
+
+
+# ---------------------------------------------------------------- records
+
+_ALLOWED = {
+    ("adaptive_eager.scheduler.program", name) for name in ("Ext", "Val", "Rec", "Meta", "Out",
+                                                             "OpSpec")
+} | {("builtins", name) for name in ("int", "float", "bool", "str", "complex", "tuple",
+                                      "list", "dict", "set", "frozenset", "slice", "type",
+                                      "NoneType", "Ellipsis", "bytes")
+     } | {("torch", name) for name in ("device", "Size", "dtype", "layout", "memory_format")
+          } | {("copyreg", "_reconstructor"), ("builtins", "object")}
+
+
+class _Restricted(compile_process._Unpickler):
+    """Builds the engine's value types and torch's devices/sizes/ops by name, nothing else."""
+
+    def find_class(self, module, name):
+        if (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not a value a path record holds")
+
+
+def _loads_record(data: bytes):
+    return _Restricted(io.BytesIO(data)).load()
+
+
+def _sources(specs) -> dict:
+    out = {}
+    for s in specs:
+        f = s.line.rsplit(":", 1)[0]
+        if f not in out:
+            try:
+                st = os.stat(f)
+                out[f] = (st.st_size, st.st_mtime_ns)
+            except OSError:
+                out[f] = None
+    return out
+
+
+def keep(mode, path) -> None:
+    """Write ``path``'s record (it went hot, or gained a graph)."""
+    st = mode.warm
+    if st is None or path.unkept:
+        return
+    exact = path.backend == "exact" or bool(path.fused_off)
+    if path.fused_off == "its compile failed":
+        return  # maybe a passing cause (the compile process died): learned again next time
+    try:
+        record = dict(
+            format=FORMAT, program=program(), role=_role(), specs=path.specs,
+            backend=path.backend, exact=exact, fused_off=path.fused_off,
+            reference=path.reference, dynamic=path.dynamic,
+            variants=[(v, graph_digest(k)) for v, k in path.variants.items()],
+            cut=path.end.cut if path.end is not None else "", sources=_sources(path.specs))
+        st.write(_paths_kind(), _digest(path.key), compile_process.dumps(record))
+    except Exception as e:  # an op or value the record cannot hold: this path is not kept
+        path.unkept = True
+        mode.counters.fallback(f"warm start: path not kept ({type(e).__name__}: "
+                               f"{(str(e).splitlines() or [''])[0][:120]})")
+
+
+def forget(mode, path) -> None:
+    """The path retired: a later run does not restore it."""
+    st = mode.warm
+    if st is None:
+        return
+    try:
+        os.unlink(st._file(_paths_kind(), _digest(path.key)))
+    except OSError:
+        pass
+
+
+def persisting(build, key: GraphKey, st):
+    """``build`` (a compile job) that also writes its graph's file (on the compiler thread)."""
+    def job():
+        graph = build()
+        if graph.artifact is not None and not graph.loaded:
+            try:
+                st.write("graphs", graph_digest(key), compile_process.dumps(graph.artifact))
+            except Exception:  # a graph not kept is compiled again next run
+                pass
+        return graph
+    return job
+
+
+def loader(st, digest: str, compile_instead):
+    """A compile job that loads the graph file ``digest``, or compiles where it cannot."""
+    from adaptive_eager.scheduler.backends import load_artifact
+
+    def job():
+        payload = st.read("graphs", digest)
+        if payload is not None:
+            try:
+                artifact = compile_process.loads(payload)
+                graph = load_artifact(artifact)
+                graph.loaded, graph.artifact = True, artifact
+                return graph
+            except Exception as e:  # compiled instead (counted at its install)
+                why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}"
+                st.reject(st._file("graphs", digest), f"it did not load ({why})")
+        return compile_instead()
+    return job
+
+
+# ---------------------------------------------------------------- restoring
+
+def restore(mode) -> None:
+    """Graft this program's kept paths onto ``mode``'s trie (once per environment)."""
+    st = mode.warm
+    if st is None or mode.warm_env == st.env:
+        return
+    mode.warm_env = st.env
+    kind = _paths_kind()
+    for name in st.names(kind):
+        payload = st.read(kind, name)
+        if payload is None:
+            continue
+        try:
+            record = _loads_record(payload)
+            why = _graft(mode, record)
+        except Exception as e:
+            why = f"unreadable ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]})"
+            st.reject(st._file(kind, name), why)
+        if why:
+            mode.counters.fallback(f"warm start: a kept path not restored: {why}")
+
+
+def _graft(mode, record) -> str:
+    from . import lifecycle
+
+    if record.get("format") != FORMAT or record.get("program") != program():
+        return "foreign record"
+    for f, stat in record["sources"].items():
+        try:
+            st = os.stat(f)
+            now = (st.st_size, st.st_mtime_ns)
+        except OSError:
+            now = None
+        if now != (tuple(stat) if stat is not None else None):
+            return f"its source changed ({f})"
+    node = mode.root
+    threshold = mode.config.hot_threshold
+    for spec in record["specs"]:
+        child = node.children.get(spec.key)
+        if child is None:
+            n_vals = sum(1 for o in spec.outs if o.kind in ("fresh", "view"))
+            child = Node(node, spec.key, spec, node.n_ext + len(spec.ext_metas),
+                         node.n_vals + n_vals)
+            child.visits = threshold
+            node.children[spec.key] = child
+            mode.n_nodes += 1
+        elif child.blocked:
+            return f"an op the engine no longer defers ({child.blocked})"
+        node = child
+    if node.path is not None and node.path.state != lifecycle.COLD:
+        return ""  # restored already (or learned in this run)
+    path = lifecycle.path_of(mode, node)
+    if path.backend != record["backend"]:
+        return f"made for backend {record['backend']}, not {path.backend}"
+    path.reference, path.dynamic = record["reference"], record["dynamic"]
+    path.from_disk = True
+    node.ends = max(node.ends, threshold)
+    if record["cut"] and not node.cut:
+        node.cut = record["cut"]
+    mode.counters.paths_restored += 1
+    if record["exact"]:
+        path.fused_off = record["fused_off"]
+        path.state = lifecycle.HOT
+        lifecycle.mark_hot(mode, node)
+        return ""
+    path.state = lifecycle.WARM
+    lifecycle.mark_hot(mode, node)
+    if record["variants"]:
+        _import_for_loading()
+    for variant, digest in record["variants"]:
+        key = GraphKey(("warm", digest), path.backend, variant)
+        path.variants[variant] = key
+        path.pending.add(variant)
+        build = path.builder(variant, mode.config.compile_process, mode.config.cpp_wrapper)
+        mode.engine.compiler.request(key, loader(mode.warm, digest, persisting(build, key,
+                                                                               mode.warm)),
+                                     mode.inbox, (mode.generation, path, variant))
+    trie.changed()
+    return ""
+
+
+def _import_for_loading() -> None:
+    """Import here, on the enabling thread, what loading a graph imports: the compiler
+    thread importing torch._dynamo while the program imports it too (an optimizer's
+    constructor does) left the program a half-initialized module ("cannot import name
+    'IndentedBuffer'", measured). ~1.5 s, once, before the program's first step."""
+    import torch._dynamo  # noqa: F401
+    import torch._inductor.codecache  # noqa: F401
+    import torch._inductor.output_code  # noqa: F401
