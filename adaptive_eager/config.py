@@ -106,6 +106,10 @@ VARIABLES: tuple[Var, ...] = (
     Var("NEURON_ADAPTIVE_EAGER_CACHE_MB", "cache_mb", "int", 1024,
         "Size bound of the warm-start cache in MiB; past it the least recently used "
         "entries are removed.", minimum=1),
+    Var("NEURON_ADAPTIVE_EAGER_CACHE_EXIT_S", "cache_exit_s", "float", 60.0,
+        "With warm start on, seconds the program's exit waits at most for graphs still "
+        "compiling, so that the cache keeps them for the next run (said in one line; Ctrl-C "
+        "skips the wait); 0: no wait.", minimum=0.0),
     Var("NEURON_EMULATOR_LAUNCH_US", "emulator_launch_us", "float", 10.0,
         "Modelled launch latency of the emulated `neuron` device, in microseconds, paid per "
         "launch on the device's timeline (not by the host); see README, The neuron device.",
@@ -146,6 +150,7 @@ class Config:
     warm_start: bool = True
     cache_dir: str | None = None
     cache_mb: int = 1024
+    cache_exit_s: float = 60.0
 
     def backend_for(self, device_type: str) -> str:
         """Backend used for segments on ``device_type``."""

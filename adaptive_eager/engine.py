@@ -318,8 +318,34 @@ class Engine:
             self.disable()
         except Exception as e:  # interpreter shutdown: report, never raise
             log.warning("adaptive_eager: flushing at exit failed: %s", e)
+        self._keep_compiles()
         compile_process.stop_shared()  # a compile in the child ends now, not when done
         self.compiler.shutdown()
+
+
+    def _keep_compiles(self) -> None:
+        """Note [Warm start]: a short run ends before its graphs compiled; the next run would
+        compile them again. With warm start on, the exit waits for them (bounded). And the
+        paths that ended without going hot are kept too (tracer.warm.keep_seen)."""
+        from adaptive_eager.tracer import warm
+
+        for m in list(self.modes):
+            if m.thread != threading.get_ident():
+                continue  # another thread's trie, which may still be in use
+            try:
+                warm.keep_seen(m)
+            except Exception as e:  # interpreter shutdown: report, never raise
+                log.warning("adaptive_eager: keeping paths at exit failed: %s", e)
+        waits = [m.config.cache_exit_s for m in list(self.modes) if m.warm is not None]
+        n = self.compiler.pending()
+        if not waits or not n or max(waits) <= 0:
+            return
+        sys.stderr.write(f"adaptive_eager: finishing {n} graph compile{'s' * (n > 1)} for "
+                         f"the warm-start cache (at most {max(waits):g} s; Ctrl-C skips)\n")
+        try:
+            self.compiler.wait_idle(max(waits))
+        except KeyboardInterrupt:
+            pass
 
 
 def _set_debug(level: int) -> None:

@@ -346,8 +346,7 @@ def _path_info(engine, mode, node) -> PathInfo:
             if graphs[0].size_guards is not None:  # Note [Family graphs]
                 backend += " for every size of its family"
         else:
-            backend, why = "exact replay", ("its graph is loading" if path.from_disk
-                                            else "its graph is compiling")
+            backend, why = "exact replay", "its graph is compiling"
         if path.from_disk:  # Note [Warm start]
             why = "from the warm-start cache" + (f"; {why}" if why else "")
     elif path.state == RETIRED:

@@ -29,6 +29,7 @@ reason; the engine counts it and the path keeps its exact replay.
 
 from __future__ import annotations
 
+import atexit
 import io
 import logging
 import os
@@ -412,10 +413,7 @@ def shared() -> CompileProcess:
     global _SHARED
     with _SHARED_LOCK:
         if _SHARED is None:
-            import atexit
-
             _SHARED = CompileProcess()
-            atexit.register(_SHARED.close)
         return _SHARED
 
 
@@ -444,6 +442,12 @@ def stop_shared() -> None:
     """End the shared child if one runs (engine shutdown)."""
     if _SHARED is not None:
         _SHARED.close()
+
+
+# The child ends with the program. Registered when this module is imported, before the
+# engine's own exit handler (registered at its first enable): handlers run last registered
+# first, so the engine's exit, which may wait for compiles (Note [Warm start]), comes first.
+atexit.register(stop_shared)
 
 
 def _portable(error: BaseException) -> BaseException:

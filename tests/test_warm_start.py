@@ -74,7 +74,8 @@ def test_a_second_process_replays_a_path_the_first_learned_without_recording_it(
     # replays from its second step at the latest, and records nothing of the known step
     assert sum(s["eager"] for s in first["steps"][1:3]) > 0
     assert second["steps"][1]["replays"] >= 1
-    assert all(s["eager"] == 0 for s in second["steps"][1:])
+    # the first step too: the first run kept it though it never recurred there
+    assert all(s["eager"] == 0 and s["replays"] >= 1 for s in second["steps"])
     assert [s["loss"] for s in second["steps"]] == [s["loss"] for s in first["steps"]]
     assert any("from the warm-start cache" in why for why in second["explain"])
     info = second["info"]
@@ -119,23 +120,27 @@ def test_corrupted_and_foreign_entries_are_ignored_and_reported(program):
     script, cache = program
     first, _ = _run(script, cache, backend="inductor", WAIT=1)
     files = sorted(str(p) for p in cache.rglob("*.ae"))
-    assert len(files) == 2  # a path record and a graph
+    records = [f for f in files if "paths-" in f]
+    # the step's record and its graph, and the first step's record (seen once, Note [Warm
+    # start])
+    assert len(files) == 3 and len(records) == 2
     for f in files:
         data = bytearray(open(f, "rb").read())
         data[-5] ^= 0xFF  # a flipped byte
         open(f, "wb").write(bytes(data))
     again, err = _run(script, cache, backend="inductor", WAIT=1)
-    assert err.count("warm-start cache entry") == 1  # the record; its graph is never reached
-    assert "ignored: its checksum does not match" in err
-    assert again["restored"] == 0 and again["info"]["rejected"] == 1
+    # one line per record; the graph is never reached
+    assert err.count("warm-start cache entry") == 2
+    assert err.count("ignored: its checksum does not match") == 2
+    assert again["restored"] == 0 and again["info"]["rejected"] == 2
     assert [s["loss"] for s in again["steps"]] == [s["loss"] for s in first["steps"]]
     # an entry copied under another name (another path's) fails its check too
-    record = next(p for p in cache.rglob("*.ae") if "paths-" in str(p))
-    foreign = record.with_name("0" * 40 + ".ae")
-    foreign.write_bytes(record.read_bytes())
-    record.unlink()
+    for record in [p for p in cache.rglob("*.ae") if "paths-" in str(p)]:
+        foreign = record.with_name("f" + record.name[1:])
+        foreign.write_bytes(record.read_bytes())
+        record.unlink()
     third, err = _run(script, cache, backend="inductor")
-    assert "ignored" in err and third["restored"] == 0
+    assert err.count("ignored: its checksum does not match") == 2 and third["restored"] == 0
 
 
 def test_a_directory_others_can_write_is_refused(program):

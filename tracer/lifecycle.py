@@ -132,6 +132,9 @@ class Path:
         self._randoms = None  # (op index, spec, probability argument) of its random ops
         self.zero_draws = None  # (tracer.hot_plan._zero_draws's answer,), once
         self.from_disk = False  # restored from the warm-start cache (Note [Warm start])
+        # restored from a run that saw it end but not recur: replayed exactly, and warmed
+        # like any path once it has ended hot_threshold times in this run (1 + its ends)
+        self.tentative = 0
         self.unkept = False  # its record could not be written (counted once)
 
     def __repr__(self):
@@ -260,6 +263,12 @@ def after_end(mode, node: Node, was_hot: bool, seconds: float) -> None:
     path = path_of(mode, node)
     if was_hot and path.state != COLD:
         path.replay_times.append(seconds)
+        if path.tentative:  # Note [Warm start]: an earlier run saw it; this one sees it recur
+            path.tentative += 1
+            if path.tentative > mode.config.hot_threshold:
+                path.tentative, path.fused_off = 0, ""
+                _warm(mode, node, path, marked=True)
+            return
         if path.state == HOT and path.last_fused:
             path.hot_times.append(seconds)
             ratio = mode.config.retire_ratio
@@ -274,8 +283,11 @@ def after_end(mode, node: Node, was_hot: bool, seconds: float) -> None:
         path.cold_times.append(seconds)
     if path.state == COLD:
         mode.learning += 1  # on its way to hot: recorded, checked, soon replayed
-    if path.state == COLD and path.backend == "inductor" and mode.config.compile_process:
-        compile_process.prepare()  # Note [Compiles leave the process]
+    if (path.state == COLD and path.backend == "inductor" and mode.config.compile_process
+            and not mode.counters.paths_restored):
+        # Note [Compiles leave the process]; a run that restored its paths (Note [Warm
+        # start]) may need no compile at all: its child starts at a first request
+        compile_process.prepare()
     if path.state == COLD and node.ends >= mode.config.hot_threshold:
         _warm(mode, node, path)
 
@@ -299,11 +311,14 @@ def cut(mode, node: Node, func, line: str) -> None:
     trie.changed()
 
 
-def _warm(mode, node: Node, path: Path) -> None:
+def _warm(mode, node: Node, path: Path, marked: bool = False) -> None:
+    """The path recurred: deferred from now on (its nodes marked hot, unless ``marked``
+    already), and its fused graph requested."""
     if path.backend == "exact":
         path.state = HOT
         mode.counters.graphs_compiled += 1
-        mark_hot(mode, node)
+        if not marked:
+            mark_hot(mode, node)
         warm.keep(mode, path)  # Note [Warm start]
         if mode.debug >= 1:
             log.info("graph%d ready: exact replay of %d ops (%s)", path.gid, len(path.specs),
@@ -312,7 +327,8 @@ def _warm(mode, node: Node, path: Path) -> None:
     S = mode.seg
     live = tuple(i for i in path.fresh if S.alive(i))
     path.state = WARM
-    mark_hot(mode, node)  # Note [Warm paths replay exactly]
+    if not marked:
+        mark_hot(mode, node)  # Note [Warm paths replay exactly]
     variant = path.variant(live, S.floats)
     fam = mode.families.get(path.family)
     if fam is None:
@@ -325,7 +341,6 @@ def _warm(mode, node: Node, path: Path) -> None:
     if d.kind == families.OVER:
         path.fused_off = "shape variants over budget"
         path.state = HOT
-        warm.keep(mode, path)
     elif d.kind == families.JOIN:
         path.variants[variant] = fam.key
         if fam.guards is None:  # still compiling: installed with the family's graph
@@ -333,12 +348,12 @@ def _warm(mode, node: Node, path: Path) -> None:
             fam.waiting.append((path, variant, d.size))
         else:
             path.state = HOT
-            warm.keep(mode, path)
     elif d.kind == families.SYMBOLIC:
         fam.key = path.graph_key(variant, symbolic=True)
         request(mode, path, variant, d.template, d.size, fam.key)
     else:
         request(mode, path, variant)
+    warm.keep(mode, path)  # Note [Warm start]: deferred from now on, so worth keeping
 
 
 def request(mode, path: Path, variant, template=None, size=None, key=None) -> None:
@@ -354,6 +369,8 @@ def request(mode, path: Path, variant, template=None, size=None, key=None) -> No
     if mode.warm is not None:  # the graph's file is written when it is built
         build = warm.persisting(build, key, mode.warm)
     mode.engine.compiler.request(key, build, mode.inbox, (mode.generation, path, variant))
+    if path.state == HOT:  # a new variant of a hot path: its record names it
+        warm.keep(mode, path)
 
 
 def install(mode) -> None:
@@ -382,19 +399,17 @@ def install(mode) -> None:
             reason = f"{what}{where}: {type(error).__name__}: {first}"
             path.fused_off = ("Inductor would compute it otherwise than eager" if differs
                               else "its compile failed")
+            if differs:  # a later run replays it exactly without asking again
+                warm.keep(mode, path)
             c.fallback(reason)
             if mode.debug >= 1:
                 log.warning("graph%d %s; replaying exactly", path.gid, reason)
             if path.state == WARM:
                 path.state = HOT
             continue
-        if built and graph.loaded:  # Note [Warm start]
-            c.graphs_loaded += 1
-        elif built:
+        if built:
             c.graphs_compiled += 1
             c.compile_seconds += graph.compile_seconds
-            if path.from_disk:
-                c.fallback("warm start: a kept graph was missing or did not load: compiled")
             if graph.wrapper_failed:  # Note [C++ wrappers] (scheduler/backends.py)
                 c.fallback(f"C++ wrapper not built ({path.specs[0].line}): "
                            f"{graph.wrapper_failed}; Inductor's Python wrapper runs the graph")
@@ -406,8 +421,6 @@ def install(mode) -> None:
             log.debug("graph%d code:\n%s", path.gid, graph.code)
         if path.state == WARM:
             path.state = HOT
-        if not graph.loaded:
-            warm.keep(mode, path)
 
 
 def _install_family(mode, path: Path, variant, graph, error) -> None:
@@ -427,7 +440,6 @@ def _install_family(mode, path: Path, variant, graph, error) -> None:
             continue
         if error is None and fam.guards.admit(size):
             member.state = HOT
-            warm.keep(mode, member)
             continue
         member.fused_off = fam.failed or f"the family graph does not admit size {size}"
         mode.counters.fallback(f"{member.fused_off}: replayed exactly ({member.specs[0].line})")
@@ -489,9 +501,6 @@ def graph_for(mode, path: Path, live: tuple):
         return None
     if variant not in path.pending:  # new, or evicted from the cache since
         request(mode, path, variant)
-    elif path.from_disk and type(key.path) is tuple and key.path[:1] == ("warm",):
-        counters.fallback("graph loading from the warm-start cache: replayed exactly")
-        return None
     counters.fallback("variant compiling: replayed exactly")
     return None
 

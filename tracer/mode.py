@@ -99,6 +99,7 @@ class AdaptiveEagerMode(TorchDispatchMode):
         self.governor = None  # set by the engine (adaptive_eager.governor)
         self.warm = None  # the warm-start store (Note [Warm start], tracer.warm), or None
         self.warm_env = None  # the environment whose kept paths this trie holds
+        self.warm_program = self.warm_kind = None  # where its records go (tracer.warm)
         self.configure(config)
 
     def configure(self, config) -> None:

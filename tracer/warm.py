@@ -210,26 +210,50 @@ def _sources(specs) -> dict:
     return out
 
 
-def keep(mode, path) -> None:
-    """Write ``path``'s record (it went hot, or gained a graph)."""
+SEEN = "seen in an earlier run, not yet recurring in this one"
+SEEN_KEPT = 64  # paths seen but not hot kept per thread at exit (the most frequent first)
+
+
+def keep(mode, path, seen: bool = False) -> None:
+    """Write ``path``'s record (it went warm or hot, or gained a variant; ``seen``: it ended
+    in this run without recurring enough to go hot)."""
     st = mode.warm
     if st is None or path.unkept:
         return
-    exact = path.backend == "exact" or bool(path.fused_off)
+    exact = seen or path.backend == "exact" or bool(path.fused_off)
     if path.fused_off == "its compile failed":
         return  # maybe a passing cause (the compile process died): learned again next time
     try:
         record = dict(
-            format=FORMAT, program=program(), role=_role(), specs=path.specs,
-            backend=path.backend, exact=exact, fused_off=path.fused_off,
+            format=FORMAT, program=mode.warm_program, specs=path.specs, seen=seen,
+            backend=path.backend, exact=exact, fused_off=SEEN if seen else path.fused_off,
             reference=path.reference, dynamic=path.dynamic,
             variants=[(v, graph_digest(k)) for v, k in path.variants.items()],
             cut=path.end.cut if path.end is not None else "", sources=_sources(path.specs))
-        st.write(_paths_kind(), _digest(path.key), compile_process.dumps(record))
+        st.write(mode.warm_kind, _digest(path.key), compile_process.dumps(record))
     except Exception as e:  # an op or value the record cannot hold: this path is not kept
         path.unkept = True
         mode.counters.fallback(f"warm start: path not kept ({type(e).__name__}: "
                                f"{(str(e).splitlines() or [''])[0][:120]})")
+
+
+def keep_seen(mode) -> None:
+    """At exit: keep the paths that ended in this run without going hot (a training loop's
+    first step, whose optimizer creates its state, is one), so that a later run replays
+    them too. At most ``SEEN_KEPT``, the most often ended first."""
+    from .lifecycle import COLD
+
+    if mode.warm is None:
+        return
+    seen, stack = [], list(mode.root.children.values())
+    while stack:
+        n = stack.pop()
+        stack += n.children.values()
+        p = n.path
+        if p is not None and p.state == COLD and n.ends and not n.blocked:
+            seen.append((n.ends, p.gid, p))
+    for _, _, p in sorted(seen, key=lambda x: (-x[0], x[1]))[:SEEN_KEPT]:
+        keep(mode, p, seen=True)
 
 
 def forget(mode, path) -> None:
@@ -238,7 +262,7 @@ def forget(mode, path) -> None:
     if st is None:
         return
     try:
-        os.unlink(st._file(_paths_kind(), _digest(path.key)))
+        os.unlink(st._file(mode.warm_kind, _digest(path.key)))
     except OSError:
         pass
 
@@ -256,25 +280,6 @@ def persisting(build, key: GraphKey, st):
     return job
 
 
-def loader(st, digest: str, compile_instead):
-    """A compile job that loads the graph file ``digest``, or compiles where it cannot."""
-    from adaptive_eager.scheduler.backends import load_artifact
-
-    def job():
-        payload = st.read("graphs", digest)
-        if payload is not None:
-            try:
-                artifact = compile_process.loads(payload)
-                graph = load_artifact(artifact)
-                graph.loaded, graph.artifact = True, artifact
-                return graph
-            except Exception as e:  # compiled instead (counted at its install)
-                why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}"
-                st.reject(st._file("graphs", digest), f"it did not load ({why})")
-        return compile_instead()
-    return job
-
-
 # ---------------------------------------------------------------- restoring
 
 def restore(mode) -> None:
@@ -283,7 +288,10 @@ def restore(mode) -> None:
     if st is None or mode.warm_env == st.env:
         return
     mode.warm_env = st.env
-    kind = _paths_kind()
+    # the program and thread the records are kept under, fixed for the mode's life (at exit
+    # ``__main__`` may no longer be the program's module)
+    mode.warm_program = program()
+    kind = mode.warm_kind = _paths_kind()
     for name in st.names(kind):
         payload = st.read(kind, name)
         if payload is None:
@@ -301,7 +309,7 @@ def restore(mode) -> None:
 def _graft(mode, record) -> str:
     from . import lifecycle
 
-    if record.get("format") != FORMAT or record.get("program") != program():
+    if record.get("format") != FORMAT or record.get("program") != mode.warm_program:
         return "foreign record"
     for f, stat in record["sources"].items():
         try:
@@ -338,30 +346,74 @@ def _graft(mode, record) -> str:
     mode.counters.paths_restored += 1
     if record["exact"]:
         path.fused_off = record["fused_off"]
+        path.tentative = 1 if record["seen"] else 0
         path.state = lifecycle.HOT
         lifecycle.mark_hot(mode, node)
+        path.exact_graph()  # its replay's code, generated now rather than in a step
+        _prebuild(mode, node)
         return ""
     path.state = lifecycle.WARM
     lifecycle.mark_hot(mode, node)
-    if record["variants"]:
-        _import_for_loading()
     for variant, digest in record["variants"]:
         key = GraphKey(("warm", digest), path.backend, variant)
         path.variants[variant] = key
-        path.pending.add(variant)
+        graph = _load_graph(mode, digest)
+        if graph is not None:
+            mode.cache.put(key, graph)
+            graph.gid = path.gid
+            mode.counters.graphs_loaded += 1
+            continue
+        path.pending.add(variant)  # not kept (or unloadable): compiled as in a first run
         build = path.builder(variant, mode.config.compile_process, mode.config.cpp_wrapper)
-        mode.engine.compiler.request(key, loader(mode.warm, digest, persisting(build, key,
-                                                                               mode.warm)),
-                                     mode.inbox, (mode.generation, path, variant))
+        mode.engine.compiler.request(key, persisting(build, key, mode.warm), mode.inbox,
+                                     (mode.generation, path, variant))
+    if not path.pending:
+        path.state = lifecycle.HOT
+    else:
+        path.exact_graph()  # replayed exactly until its graph compiles: generated now
+    _prebuild(mode, node)
     trie.changed()
     return ""
 
 
+def _prebuild(mode, end: Node) -> None:
+    """Build now what the first hot run of a restored path would build inside a step: the
+    dispatch key's compiled step of each of its nodes (tracer.hot_plan)."""
+    if mode._keyed is None:
+        return
+    from . import hot_plan
+
+    for n in end.chain():
+        hot_plan.step_of(n, mode._keyed)
+
+
+def _load_graph(mode, digest: str):
+    """The kept graph ``digest``, loaded here and now (before the program's first step: a
+    load on the compiler thread would hold the interpreter lock inside one), or None."""
+    from adaptive_eager.scheduler.backends import load_artifact
+
+    st = mode.warm
+    payload = st.read("graphs", digest)
+    if payload is None:
+        return None
+    _import_for_loading()
+    try:
+        artifact = compile_process.loads(payload)
+        graph = load_artifact(artifact)
+    except Exception as e:  # compiled instead, counted
+        why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}"
+        st.reject(st._file("graphs", digest), f"it did not load ({why})")
+        mode.counters.fallback("warm start: a kept graph did not load: compiled")
+        return None
+    graph.loaded, graph.artifact = True, artifact
+    return graph
+
+
 def _import_for_loading() -> None:
-    """Import here, on the enabling thread, what loading a graph imports: the compiler
-    thread importing torch._dynamo while the program imports it too (an optimizer's
-    constructor does) left the program a half-initialized module ("cannot import name
-    'IndentedBuffer'", measured). ~1.5 s, once, before the program's first step."""
+    """What loading a graph imports, once (~1.5 s, before the program's first step). Never
+    on the compiler thread: importing torch._dynamo there while the program imported it too
+    (an optimizer's constructor does) left the program a half-initialized module ("cannot
+    import name 'IndentedBuffer'", measured)."""
     import torch._dynamo  # noqa: F401
     import torch._inductor.codecache  # noqa: F401
     import torch._inductor.output_code  # noqa: F401
