@@ -225,3 +225,19 @@ def test_a_root_owned_elsewhere_or_open_to_others_is_refused(tmp_path):
     os.chmod(root, 0o775)
     with pytest.raises(StoreRefused, match="writable by its group or others"):
         Store(str(root), "env", 1 << 20)
+
+
+def test_a_path_seen_once_replays_at_its_first_occurrence_and_warms_when_it_recurs(program):
+    script, cache = program
+    once, _ = _run(script, cache, backend="inductor", STEPS=1)  # its path ends once
+    assert once["steps"][0]["replays"] == 0 and once["compiled"] == 0
+    second, _ = _run(script, cache, backend="inductor", WAIT=1)
+    # replayed exactly at its first occurrence, as a path seen in an earlier run, then
+    # warmed as any path once it recurred here: compiled, fused, no longer "seen before"
+    assert second["restored"] >= 1 and second["steps"][0]["replays"] >= 1
+    assert second["steps"][0]["eager"] == 0
+    assert any("seen in an earlier run" in r for r in second["fallbacks"])
+    assert second["compiled"] >= 1 and second["steps"][-1]["eager"] == 0
+    # the step's path, promoted (a first step's own path, which never recurs, stays as seen)
+    assert any("seen in an earlier run" not in why for why in second["explain"]), \
+        second["explain"]
