@@ -165,7 +165,7 @@ def _accepted(var: Var) -> str:
     if var.kind == "devices":
         return "a comma list of " + ", ".join(repr(c) for c in DEVICES)
     if var.kind == "path":
-        return "a directory path"
+        return "an absolute directory path (~ allowed)"
     lo = "" if var.minimum is None else f">= {var.minimum}"
     hi = "" if var.maximum is None else f"<= {var.maximum}"
     what = "an integer" if var.kind == "int" else "a number"
@@ -187,9 +187,11 @@ def _parse(var: Var, value: object, name: str):
         if isinstance(value, str) and value.strip().lower() in TRUE + FALSE:
             return value.strip().lower() in TRUE
         raise _bad(name, value, var)
-    if kind == "path":
-        if isinstance(value, (str, os.PathLike)) and str(os.fspath(value)).strip():
-            return os.path.expanduser(str(os.fspath(value)).strip())
+    if kind == "path":  # absolute: a relative one would name another directory in each cwd
+        if isinstance(value, (str, os.PathLike)):
+            path = os.path.expanduser(str(os.fspath(value)).strip())
+            if os.path.isabs(path):
+                return path
         raise _bad(name, value, var)
     if kind == "choice":
         if isinstance(value, str) and value.strip().lower() in var.choices:

@@ -1,5 +1,7 @@
 """adaptive_eager.config: every setting parsed in one place, with one-line errors."""
 
+import os
+
 import pytest
 
 from adaptive_eager.config import VARIABLES, Config, ConfigError, from_env, resolve
@@ -75,3 +77,12 @@ def test_every_variable_documented_and_parseable():
         assert v.env.startswith(("NEURON_ADAPTIVE_EAGER", "NEURON_EMULATOR")) and v.doc
         if v.field != "autoload" and v.engine:
             assert hasattr(Config(), v.field)
+
+
+def test_the_cache_directory_is_an_absolute_path(monkeypatch):
+    monkeypatch.setenv("NEURON_ADAPTIVE_EAGER_CACHE_DIR", "~/warm")
+    assert resolve().cache_dir == os.path.expanduser("~/warm")
+    monkeypatch.setenv("NEURON_ADAPTIVE_EAGER_CACHE_DIR", "relative/warm")
+    with pytest.raises(ConfigError, match="NEURON_ADAPTIVE_EAGER_CACHE_DIR='relative/warm'"
+                                          ".*accepted: an absolute directory path"):
+        resolve()
