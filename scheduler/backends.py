@@ -137,7 +137,6 @@ class Graph:
     # process's reply and what ``_compiled_graph`` needs, for ``load_artifact``; None for a
     # graph this process compiled itself (a later run compiles it again)
     artifact: tuple | None = None
-    loaded: bool = False  # loaded from the warm-start cache, not compiled
 
 
 def graph_device(ext_metas, live_metas: dict, device_map=None) -> torch.device:

@@ -53,7 +53,7 @@ from .trie import Node
 __all__ = ["store_for", "restore", "keep", "forget", "persisting", "info", "clear"]
 
 FORMAT = 1
-_state = {"store": None, "env": None, "refused": None}
+_state = {"store": None, "refused": None}
 _lock = threading.Lock()
 _source = None
 
@@ -120,10 +120,9 @@ def _role() -> str:
 def graph_digest(key: GraphKey) -> str:
     if type(key.path) is tuple and len(key.path) == 2 and key.path[0] == "warm":
         return key.path[1]  # a restored key names its file
-    d = getattr(key, "digest", None)
-    if d is None:
-        d = key.digest = _digest((key.path, key.backend, key.variant))
-    return d
+    if key.digest is None:
+        key.digest = _digest((key.path, key.backend, key.variant))
+    return key.digest
 
 
 # ---------------------------------------------------------------- the store
@@ -180,8 +179,7 @@ _ALLOWED = {
 } | {("builtins", name) for name in ("int", "float", "bool", "str", "complex", "tuple",
                                       "list", "dict", "set", "frozenset", "slice", "type",
                                       "NoneType", "Ellipsis", "bytes")
-     } | {("torch", name) for name in ("device", "Size", "dtype", "layout", "memory_format")
-          } | {("copyreg", "_reconstructor"), ("builtins", "object")}
+} | {("torch", name) for name in ("device", "Size", "dtype", "layout", "memory_format")}
 
 
 class _Restricted(compile_process._Unpickler):
@@ -271,7 +269,7 @@ def persisting(build, key: GraphKey, st):
     """``build`` (a compile job) that also writes its graph's file (on the compiler thread)."""
     def job():
         graph = build()
-        if graph.artifact is not None and not graph.loaded:
+        if graph.artifact is not None:
             try:
                 st.write("graphs", graph_digest(key), compile_process.dumps(graph.artifact))
             except Exception:  # a graph not kept is compiled again next run
@@ -405,7 +403,6 @@ def _load_graph(mode, digest: str):
         st.reject(st._file("graphs", digest), f"it did not load ({why})")
         mode.counters.fallback("warm start: a kept graph did not load: compiled")
         return None
-    graph.loaded, graph.artifact = True, artifact
     return graph
 
 
