@@ -99,6 +99,22 @@ class Delta:
         return now - before
 
 
+# A child process (a script the test runs as a user would) starts from this environment less
+# the engine's settings. Warm start stays off there too, and its default directory is the
+# session's own: a child that kept what it learned in the user's cache made a later run of
+# the suite, a CI run on the same machine included, load graphs it expected to compile.
+_CHILD_CACHE = tempfile.mkdtemp(prefix="adaptive_eager_test_cache_")
+
+
+def child_env(drop: str = "NEURON_ADAPTIVE_EAGER", keep=(), **settings) -> dict:
+    """The environment for a child process: this one's without the variables whose names
+    start with ``drop`` (except those in ``keep``), warm start off, then ``settings``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop) or k in keep}
+    env.update(NEURON_ADAPTIVE_EAGER_WARM_START="0", XDG_CACHE_HOME=_CHILD_CACHE)
+    env.update(settings)
+    return env
+
+
 def wait_compiles():
     from adaptive_eager.engine import ENGINE
 

@@ -5,6 +5,8 @@ import subprocess
 import sys
 import textwrap
 
+from conftest import child_env
+
 SCRIPT = textwrap.dedent("""
     import sys, torch
     x = torch.randn(100)
@@ -18,8 +20,7 @@ SCRIPT = textwrap.dedent("""
 def run(tmp_path, **env):
     path = tmp_path / "script.py"
     path.write_text(SCRIPT)
-    full = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_ADAPTIVE_EAGER")}
-    full.update(env)
+    full = child_env(**env)
     return subprocess.run([sys.executable, str(path)], capture_output=True, text=True, env=full,
                           timeout=300)
 
@@ -64,8 +65,7 @@ def test_every_variable_given_garbage_is_one_line_and_the_program_runs(tmp_path)
         x = torch.ones(3, device="neuron")
         print("VALUE", (x * 2).sum().item())
     """))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_")}
-    env.update({v.env: "garbage!" for v in VARIABLES})
+    env = child_env("NEURON_", **{v.env: "garbage!" for v in VARIABLES})
     r = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, env=env,
                        timeout=300)
     assert r.returncode == 0, r.stderr

@@ -14,6 +14,7 @@ import textwrap
 
 import pytest
 import torch
+from conftest import child_env
 
 pytest.importorskip("torch.distributed")
 if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
@@ -143,9 +144,8 @@ def _free_port() -> int:
 def _run(script: str, *args, tmp_path) -> dict:
     path = tmp_path / "ranks.py"
     path.write_text(script)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_ADAPTIVE_EAGER")}
-    env.update(NEURON_ADAPTIVE_EAGER_SUSPEND_RATIO="0", NEURON_ADAPTIVE_EAGER_RETIRE_RATIO="0",
-               PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
+    env = child_env(NEURON_ADAPTIVE_EAGER_SUSPEND_RATIO="0", NEURON_ADAPTIVE_EAGER_RETIRE_RATIO="0",
+                    PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     # start_new_session: on a timeout the whole group of ranks is killed with it
     p = subprocess.Popen([sys.executable, str(path), str(_free_port()), *args], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

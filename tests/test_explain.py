@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from conftest import child_env
 
 import adaptive_eager as ae
 import adaptive_eager.neuron  # noqa: F401 - registered before autograd starts its device threads
@@ -187,8 +188,8 @@ def test_readme_shows_what_the_example_prints():
     readme = (root / "README.md").read_text()
     block = readme.split("`python examples/debugging.py`", 1)[1].split("```text\n", 1)[1]
     block = block.split("```", 1)[0]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_ADAPTIVE_EAGER")}
-    env["NEURON_ADAPTIVE_EAGER_SUSPEND_RATIO"] = "0"  # as in the tests: no timing decisions
+    # as in the tests: no timing decisions
+    env = child_env(NEURON_ADAPTIVE_EAGER_SUSPEND_RATIO="0")
     fresh = subprocess.run([sys.executable, "examples/debugging.py"], cwd=root, env=env,
                            capture_output=True, text=True, timeout=300)
     assert fresh.returncode == 0, fresh.stderr

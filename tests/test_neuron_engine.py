@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from conftest import child_env
 
 import adaptive_eager as ae
 import adaptive_eager.neuron as neuron
@@ -204,8 +205,7 @@ def test_synchronize_launches_what_the_engine_holds():
 
 
 def _script(code, **env):
-    e = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_")}
-    e.update(env)
+    e = child_env("NEURON_", **env)
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
                           text=True, env=e, timeout=300)
 

@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from conftest import child_env
 
 import adaptive_eager.neuron as neuron
 
@@ -246,9 +247,7 @@ def test_bad_latency_is_refused():
 
 def _run(code, **env):
     # the device implementation under test stays; every other setting is the child's own
-    e = {k: v for k, v in os.environ.items()
-         if not k.startswith("NEURON_") or k == "NEURON_EMULATOR_IMPL"}
-    e.update(env)
+    e = child_env("NEURON_", keep=("NEURON_EMULATOR_IMPL",), **env)
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
                           text=True, env=e, timeout=120)
 

@@ -15,6 +15,7 @@ import sys
 import textwrap
 
 import pytest
+from conftest import child_env
 
 from adaptive_eager.neuron import _torchneuronx
 
@@ -474,9 +475,8 @@ _GAPS = {}
 
 @pytest.fixture(scope="module")
 def child():
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_")}
-    env.update(NEURON_EMULATOR_IMPL="cpp", NEURON_ADAPTIVE_EAGER_SUSPEND_RATIO="0",
-               NEURON_ADAPTIVE_EAGER_RETIRE_RATIO="0")
+    env = child_env("NEURON_", NEURON_EMULATOR_IMPL="cpp", NEURON_ADAPTIVE_EAGER_SUSPEND_RATIO="0",
+                    NEURON_ADAPTIVE_EAGER_RETIRE_RATIO="0")
     r = subprocess.run([sys.executable, "-c", textwrap.dedent(_CHILD)], capture_output=True,
                        text=True, env=env, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
