@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import os
+import shutil
 import tempfile
 import threading
 
@@ -100,17 +102,19 @@ class Delta:
 
 
 # A child process (a script the test runs as a user would) starts from this environment less
-# the engine's settings. Warm start stays off there too, and its default directory is the
-# session's own: a child that kept what it learned in the user's cache made a later run of
-# the suite, a CI run on the same machine included, load graphs it expected to compile.
+# the engine's settings. Warm start stays off there too, in a directory of the session's own
+# where a test turns it on: children that kept what they learned in the user's cache made a
+# later child (`python -c` programs are all one program to the cache) load a graph it
+# expected to compile. (XDG_CACHE_HOME stays: the C++ extensions are built under it.)
 _CHILD_CACHE = tempfile.mkdtemp(prefix="adaptive_eager_test_cache_")
+atexit.register(shutil.rmtree, _CHILD_CACHE, ignore_errors=True)
 
 
 def child_env(drop: str = "NEURON_ADAPTIVE_EAGER", keep=(), **settings) -> dict:
     """The environment for a child process: this one's without the variables whose names
     start with ``drop`` (except those in ``keep``), warm start off, then ``settings``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop) or k in keep}
-    env.update(NEURON_ADAPTIVE_EAGER_WARM_START="0", XDG_CACHE_HOME=_CHILD_CACHE)
+    env.update(NEURON_ADAPTIVE_EAGER_WARM_START="0", NEURON_ADAPTIVE_EAGER_CACHE_DIR=_CHILD_CACHE)
     env.update(settings)
     return env
 

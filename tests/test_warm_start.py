@@ -128,18 +128,19 @@ def test_corrupted_and_foreign_entries_are_ignored_and_reported(program):
         data = bytearray(open(f, "rb").read())
         data[-5] ^= 0xFF  # a flipped byte
         open(f, "wb").write(bytes(data))
-    again, err = _run(script, cache, backend="inductor", WAIT=1)
+    # the later runs stop before the step recurs: nothing to compile, only the restore to try
+    again, err = _run(script, cache, backend="inductor", STEPS=2)
     # one line per record; the graph is never reached
     assert err.count("warm-start cache entry") == 2
     assert err.count("ignored: its checksum does not match") == 2
     assert again["restored"] == 0 and again["info"]["rejected"] == 2
-    assert [s["loss"] for s in again["steps"]] == [s["loss"] for s in first["steps"]]
+    assert [s["loss"] for s in again["steps"]] == [s["loss"] for s in first["steps"][:2]]
     # an entry copied under another name (another path's) fails its check too
     for record in [p for p in cache.rglob("*.ae") if "paths-" in str(p)]:
         foreign = record.with_name("f" + record.name[1:])
         foreign.write_bytes(record.read_bytes())
         record.unlink()
-    third, err = _run(script, cache, backend="inductor")
+    third, err = _run(script, cache, backend="inductor", STEPS=2)
     assert err.count("ignored: its checksum does not match") == 2 and third["restored"] == 0
 
 
