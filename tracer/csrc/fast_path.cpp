@@ -6,7 +6,7 @@
 // cached metadata, and moves the segment on, touching the tracer's Python segment state
 // (tracer.segment.Segment) exactly as the generated function does. A call that does not
 // match returns the MISS sentinel before changing anything.
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 #include <structmember.h>
 #include <torch/csrc/autograd/python_variable.h>
 

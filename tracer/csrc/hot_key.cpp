@@ -20,7 +20,7 @@
 //               mode is on the stack (inside the mode's own handling, which pops it)
 // Engaged (set_engaged, from Python outside any op), the mode's keys are also excluded, so
 // that every op reaches our kernels first, and ROUTE sends it on to the mode.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Operators.h>
 #include <ATen/EmptyTensor.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>

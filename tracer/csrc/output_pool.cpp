@@ -14,6 +14,7 @@
 // allocator as in eager.
 #include "hot_segment.h"
 
+#include <ATen/EmptyTensor.h>
 #include <c10/core/CPUAllocator.h>
 
 #include <cstdlib>

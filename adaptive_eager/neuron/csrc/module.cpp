@@ -2,7 +2,7 @@
 // device tensor (rnn.py runs cpu's recurrent layers on them).
 #include "neuron.h"
 
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <map>
 #include <unordered_map>
