@@ -162,6 +162,27 @@ def plan(mode, module):
     return None if built is None else (built, S)
 
 
+def prebuild(mode, module) -> None:
+    """Build now the plan each of the root's hot children starts, as ``plan`` would at the
+    segment's first op: a warm start (Note [Warm start], tracer.warm) restores hot paths
+    before the program's first step, whose ops would otherwise wait for their plans. A plan
+    that cannot be built is left to ``plan``, which counts why."""
+    root = mode.root
+    cached = root.plan
+    if cached is None or cached[0] != trie.epoch:
+        cached = root.plan = (trie.epoch, {})
+    saved = root.hot_next
+    try:
+        for first in [c for c in root.children.values() if c.hot and c not in cached[1]]:
+            root.hot_next = first
+            try:
+                cached[1][first] = _build(root, module, mode.devices, starts=True)
+            except Exception:  # noqa: BLE001 -- built (and counted) at its first use
+                pass
+    finally:
+        root.hot_next = saved
+
+
 def _build(start, module, devices, starts=False):
     # what the plan runs at once when it does not expect it (Note [Host scalars], tracer.mode)
     host, counter = (_HOST_SCALARS, "ops_host") if "cpu" in devices else (_HOST_CPU,

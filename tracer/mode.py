@@ -34,6 +34,8 @@ import threading
 import time
 
 import torch
+import torch._subclasses.schema_check_mode  # noqa: F401 -- what ``outside`` imports at its first
+# use (torch's _disable_current_modes does), ~1 ms, at import rather than inside a step
 from torch._ops import HigherOrderOperator
 from torch.utils._python_dispatch import (
     TorchDispatchMode,

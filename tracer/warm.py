@@ -302,6 +302,10 @@ def restore(mode) -> None:
             st.reject(st._file(kind, name), why)
         if why:
             mode.counters.fallback(f"warm start: a kept path not restored: {why}")
+    if mode.counters.paths_restored and mode._keyed is not None:
+        from . import hot_plan
+
+        hot_plan.prebuild(mode, mode._keyed)  # after every graft: each one changes the trie
 
 
 def _graft(mode, record) -> str:
@@ -352,6 +356,7 @@ def _graft(mode, record) -> str:
         return ""
     path.state = lifecycle.WARM
     lifecycle.mark_hot(mode, node)
+    path.plan  # noqa: B018 -- how its inputs reach its graphs, computed now, not in a step
     for variant, digest in record["variants"]:
         key = GraphKey(("warm", digest), path.backend, variant)
         path.variants[variant] = key
