@@ -163,24 +163,28 @@ def plan(mode, module):
 
 
 def prebuild(mode, module) -> None:
-    """Build now the plan each of the root's hot children starts, as ``plan`` would at the
-    segment's first op: a warm start (Note [Warm start], tracer.warm) restores hot paths
-    before the program's first step, whose ops would otherwise wait for their plans. A plan
-    that cannot be built is left to ``plan``, which counts why."""
+    """Build now the plans ``plan`` would build at a segment's first ops: from the root for
+    each of its hot children, and from each of those (a segment's first op reaches the mode,
+    which hands the rest to the plan at that node). A warm start (Note [Warm start],
+    tracer.warm) restores hot paths before the program's first step, whose ops would
+    otherwise wait for their plans. A plan that cannot be built is left to ``plan``, which
+    counts why."""
     root = mode.root
-    cached = root.plan
-    if cached is None or cached[0] != trie.epoch:
-        cached = root.plan = (trie.epoch, {})
-    saved = root.hot_next
-    try:
-        for first in [c for c in root.children.values() if c.hot and c not in cached[1]]:
-            root.hot_next = first
-            try:
-                cached[1][first] = _build(root, module, mode.devices, starts=True)
-            except Exception:  # noqa: BLE001 -- built (and counted) at its first use
-                pass
-    finally:
-        root.hot_next = saved
+    firsts = [c for c in root.children.values() if c.hot]
+    for start, first, starts in ([(root, c, True) for c in firsts]
+                                 + [(c, c.hot_next, False) for c in firsts]):
+        cached = start.plan
+        if cached is None or cached[0] != trie.epoch:
+            cached = start.plan = (trie.epoch, {})
+        if first is None or first in cached[1]:
+            continue
+        saved, start.hot_next = start.hot_next, first
+        try:
+            cached[1][first] = _build(start, module, mode.devices, starts)
+        except Exception:  # noqa: BLE001 -- built (and counted) at its first use
+            pass
+        finally:
+            start.hot_next = saved
 
 
 def _build(start, module, devices, starts=False):
