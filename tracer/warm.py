@@ -18,9 +18,14 @@ setting, the managed devices and the neuron device's implementation; Inductor's
 ``TORCHINDUCTOR_*`` settings), and path records by the *program* too (the ``__main__``
 module or script, or ``<interactive>``) and the thread that learned them. When this thread's
 mode is enabled, the records of its program are grafted onto its trie (``restore``): their
-nodes are marked hot and each graph is loaded by the background compiler (its loading is the
-compiler's job, beside the loop), so the program's first occurrence of a known step replays
-at once, exactly, and fused as soon as its graph is in. A restored path is still checked op
+nodes are marked hot and each graph is loaded there and then, on the enabling thread (on the
+compiler thread its import of torch._dynamo raced the program's own), with what a path's
+first hot run would otherwise build inside a step: the exact replay's code, the dispatch
+key's compiled steps and plans, the graph-input plan. So the program's first occurrence of a
+known step replays at once, fused where its graph was kept, exactly otherwise. Paths that
+ended without recurring are kept at exit too (a training loop's first step, where the
+optimizer creates its state): restored, they replay exactly until they have ended
+``hot_threshold`` times in this run, then warm like any path. A restored path is still checked op
 by op like any learned path: a program that changed diverges there and learns anew, and a
 record whose source files changed (size or time) is not restored at all, counted, so no op
 reports a line that moved. A restored graph file that is missing or fails to load is
@@ -89,8 +94,9 @@ def environment(config) -> tuple:
 
         neuron = ("native" if device.is_native() else "emulated-python"
                   if device.is_emulated() else "torch-neuronx")
-    inductor_env = tuple(sorted((k, v) for k, v in os.environ.items()
-                                if k.startswith("TORCHINDUCTOR_") and k != "TORCHINDUCTOR_CACHE_DIR"))
+    inductor_env = tuple(sorted(
+        (k, v) for k, v in os.environ.items()
+        if k.startswith("TORCHINDUCTOR_") and k != "TORCHINDUCTOR_CACHE_DIR"))
     return ("adaptive_eager", __version__, _source_digest(), "torch", torch.__version__,
             torch.version.git_version, sys.version, platform.machine(),
             torch.backends.cpu.get_cpu_capability(), config.backend_for("cpu"),
