@@ -20,7 +20,10 @@ multiplies, Inductor multiplies in float32: a 16-bit ulp apart, more in its grad
 backwards of reflection padding, of unfold (col2im; Tensor.unfold's unfold_backward) and of
 max pooling, which sum overlapping gradients in another order (bf16 and fp16 gradients beyond tolerance; max_pool2d:
 a bf16 ulp at one element of 7 of 1,440 samples), the gradients of glu, binary_cross_entropy
-and dist in fp16 and of polygamma in bf16 (a 16-bit ulp or a few, at some elements), and
+and dist in fp16 and of polygamma in bf16 (a 16-bit ulp or a few, at some elements), the
+backward of embedding (repeated indices' gradients summed in another order: a bf16 ulp at 4
+of 50 elements), xlogy (eager's kernel multiplies by the logarithm in float32 and rounds
+once; the decomposition rounds the logarithm first: its gradient a few fp16 ulps apart), and
 the matrix products, which Inductor turns into a
 16-bit multiply and a sum when a dimension is small, where eager accumulates in float32 and
 rounds once.
@@ -128,7 +131,8 @@ _OPS_16BIT = (
     aten.max_pool2d_with_indices_backward.default, aten.max_pool3d_with_indices_backward.default,
     aten.glu.default, aten.glu_backward.default, aten.binary_cross_entropy.default,
     aten.binary_cross_entropy_backward.default, aten.dist.default, aten.polygamma.default,
-    aten.unfold_backward.default,
+    aten.unfold_backward.default, aten.embedding_dense_backward.default,
+    aten.xlogy.Tensor,
 )
 # In graphs holding a 16-bit value: op -> what the trace calls for it (eager's kernel)
 EAGER_16BIT = {op: _eager_kernel(op) for op in _OPS_16BIT}
