@@ -147,19 +147,30 @@ def plan(mode, module):
     # root's ``hot_next`` changes without that: a step of several segments takes another of
     # the root's children at each, so the root keeps a plan per child it starts.
     first = start.hot_next
+    plans = _plans(start)
+    built = plans.get(first, False)
+    if built is False:
+        built = _plan_from(mode, module, start, first, starts, plans)
+    return None if built is None else (built, S)
+
+
+def _plans(start) -> dict:
+    """The plans kept on ``start`` for this trie epoch, by the first node they expect."""
     cached = start.plan
     if cached is None or cached[0] != trie.epoch:
         cached = start.plan = (trie.epoch, {})
-    plans = cached[1]
-    built = plans.get(first, False)
-    if built is False:
-        try:
-            built = _build(start, module, mode.devices, starts)
-        except Exception as e:  # the program goes on through the mode, the reason counted
-            mode.counters.fallback(f"no plan for the dispatch key ({type(e).__name__}: {e})")
-            built = None
-        plans[first] = built
-    return None if built is None else (built, S)
+    return cached[1]
+
+
+def _plan_from(mode, module, start, first, starts, plans):
+    """Build (and keep in ``plans``) the plan from ``start`` through ``first``, or None."""
+    try:
+        built = _build(start, first, module, mode.devices, starts)
+    except Exception as e:  # the program goes on through the mode, the reason counted
+        mode.counters.fallback(f"no plan for the dispatch key ({type(e).__name__}: {e})")
+        built = None
+    plans[first] = built
+    return built
 
 
 def prebuild(mode, module) -> None:
@@ -167,27 +178,16 @@ def prebuild(mode, module) -> None:
     each of its hot children, and from each of those (a segment's first op reaches the mode,
     which hands the rest to the plan at that node). A warm start (Note [Warm start],
     tracer.warm) restores hot paths before the program's first step, whose ops would
-    otherwise wait for their plans. A plan that cannot be built is left to ``plan``, which
-    counts why."""
-    root = mode.root
-    firsts = [c for c in root.children.values() if c.hot]
-    for start, first, starts in ([(root, c, True) for c in firsts]
+    otherwise wait for their plans."""
+    firsts = [c for c in mode.root.children.values() if c.hot]
+    for start, first, starts in ([(mode.root, c, True) for c in firsts]
                                  + [(c, c.hot_next, False) for c in firsts]):
-        cached = start.plan
-        if cached is None or cached[0] != trie.epoch:
-            cached = start.plan = (trie.epoch, {})
-        if first is None or first in cached[1]:
-            continue
-        saved, start.hot_next = start.hot_next, first
-        try:
-            cached[1][first] = _build(start, module, mode.devices, starts)
-        except Exception:  # noqa: BLE001 -- built (and counted) at its first use
-            pass
-        finally:
-            start.hot_next = saved
+        plans = _plans(start)
+        if first is not None and first not in plans:
+            _plan_from(mode, module, start, first, starts, plans)
 
 
-def _build(start, module, devices, starts=False):
+def _build(start, first, module, devices, starts=False):
     # what the plan runs at once when it does not expect it (Note [Host scalars], tracer.mode)
     host, counter = (_HOST_SCALARS, "ops_host") if "cpu" in devices else (_HOST_CPU,
                                                                           "ops_passthrough")
@@ -220,7 +220,7 @@ def _build(start, module, devices, starts=False):
                 made.append((pos, fork))
         return module.make_plan(steps, tuple(nodes), host, counter, starts, made)
 
-    return build([], [], start, start.hot_next)
+    return build([], [], start, first)
 
 
 # ---------------------------------------------------------------- launches at a read
