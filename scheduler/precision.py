@@ -23,8 +23,10 @@ a bf16 ulp at one element of 7 of 1,440 samples), the gradients of glu, binary_c
 and dist in fp16 and of polygamma in bf16 (a 16-bit ulp or a few, at some elements), the
 backward of embedding (repeated indices' gradients summed in another order: a bf16 ulp at 4
 of 50 elements), xlogy (eager's kernel multiplies by the logarithm in float32 and rounds
-once; the decomposition rounds the logarithm first: its gradient a few fp16 ulps apart), and
-the matrix products, which Inductor turns into a
+once; the decomposition rounds the logarithm first: its gradient a few fp16 ulps apart), prod
+(eager's kernel multiplies in the 16-bit dtype, rounding at each step, where Inductor
+accumulates in float32: a few 16-bit ulps apart, and its gradient, ``grad * result / input``,
+beyond the fp16 tolerance), and the matrix products, which Inductor turns into a
 16-bit multiply and a sum when a dimension is small, where eager accumulates in float32 and
 rounds once.
 
@@ -132,7 +134,7 @@ _OPS_16BIT = (
     aten.glu.default, aten.glu_backward.default, aten.binary_cross_entropy.default,
     aten.binary_cross_entropy_backward.default, aten.dist.default, aten.polygamma.default,
     aten.unfold_backward.default, aten.embedding_dense_backward.default,
-    aten.xlogy.Tensor,
+    aten.xlogy.Tensor, aten.prod.default, aten.prod.dim_int,
 )
 # In graphs holding a 16-bit value: op -> what the trace calls for it (eager's kernel)
 EAGER_16BIT = {op: _eager_kernel(op) for op in _OPS_16BIT}

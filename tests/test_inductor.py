@@ -118,19 +118,21 @@ def test_low_precision_fused_kernels_stay_eager(dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_products_stay_eager(dtype):
     # Found by the OpInfo sweep: a vector @ batched matrix (bmm with one row), which Inductor
-    # lowers to a 16-bit multiply and a sum, and logspace, beyond the tolerances in 16 bits.
-    # In 16-bit graphs they are eager's kernels (Note [Eager's precision]).
+    # lowers to a 16-bit multiply and a sum, logspace, and prod (eager multiplies in 16 bits,
+    # Inductor in float32), beyond the tolerances in 16 bits (prod's fp16 gradient). In 16-bit
+    # graphs they are eager's kernels (Note [Eager's precision]).
     torch.manual_seed(0)
     v, m = torch.randn(10, dtype=dtype), torch.randn(5, 5, 10, 5, dtype=dtype)
 
     def step():
         p = v * 1 @ m
         s = torch.logspace(-2, 10, 50, base=2.0, dtype=dtype) + 1
-        return p, s, p.sum().item()
+        q = torch.prod(m * 0.5 + 1, 2)
+        return p, s, q, p.sum().item()
 
     ref, got, d = fused_and_eager(step)
     assert d.replays == 1 and not d.fallbacks  # the fused graph ran
-    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    assert all(torch.equal(g, r) for g, r in zip(got[:3], ref[:3]))
 
 
 def test_low_precision_weighted_nll_loss_stays_eager():
