@@ -415,16 +415,26 @@ def inductor_artifact(specs, ext_metas, live_metas, the_plan, spec_values, devic
     return pickle.dumps(compiled), code, seconds, failed, guards
 
 
-def remote_inductor_graph(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values,
-                          device_map=None, kernels=None, cpp_wrapper=False, size=None) -> Graph:
-    """Inductor in the compile process; this thread only waits and loads the result."""
+def remote_inductor_artifact(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values,
+                             device_map=None, kernels=None, cpp_wrapper=False,
+                             size=None) -> tuple:
+    """Inductor in the compile process; its reply as ``load_artifact`` takes it, not loaded
+    (a graph compiled at the program's exit for the warm-start cache: loading imports
+    Inductor's modules, which cannot register their exit handlers then)."""
     # The child needs what ``trace`` reads; the signature key and source line stay here.
     sent = [dataclasses.replace(s, key=None) for s in specs]
     request = compile_process.pack((sent, ext_metas, live_metas, the_plan, spec_values,
                                      device_map, kernels, cpp_wrapper, size))
     blob, code, seconds, failed, guards = compile_process.shared().request(request)
-    artifact = (blob, code, seconds, failed, guards, tuple(ext_metas), dict(live_metas),
-                the_plan, tuple(spec_values), len(specs), device_map)
+    return (blob, code, seconds, failed, guards, tuple(ext_metas), dict(live_metas),
+            the_plan, tuple(spec_values), len(specs), device_map)
+
+
+def remote_inductor_graph(specs, ext_metas, live_metas: dict, the_plan: Plan, spec_values,
+                          device_map=None, kernels=None, cpp_wrapper=False, size=None) -> Graph:
+    """Inductor in the compile process; this thread only waits and loads the result."""
+    artifact = remote_inductor_artifact(specs, ext_metas, live_metas, the_plan, spec_values,
+                                        device_map, kernels, cpp_wrapper, size)
     graph = load_artifact(artifact)
     graph.artifact = artifact
     return graph

@@ -142,8 +142,8 @@ class Compiler:
                 try:
                     graph = job.build()
                 except Exception as e:  # delivered to the requester, who records the reason
-                    if not threading.main_thread().is_alive():
-                        return  # the program has ended: nobody waits for this job
+                    # (also at the program's exit, where a failed job must still leave the
+                    # queue: the exit's bounded wait for the warm-start cache waits on it)
                     error = e
             with self._lock:
                 self._jobs.pop(job.key, None)

@@ -136,6 +136,9 @@ class Path:
         # like any path once it has ended hot_threshold times in this run (1 + its ends)
         self.tentative = 0
         self.unkept = False  # its record could not be written (counted once)
+        # with warm start, the fresh values alive at its latest cold end: what a graph of it
+        # compiled at exit returns (Note [Warm start], warm.keep_seen)
+        self.cold_live = None
 
     def __repr__(self):
         return f"Path({len(self.specs)} ops, {self.state}, {self.backend})"
@@ -198,15 +201,20 @@ class Path:
                 template=None, size=None):
         """The compile of ``variant``; of the family's symbolic graph given its ``template``
         (specs, ext metas, live metas) and this member's ``size`` (Note [Family graphs])."""
+        args = self.compile_args(variant, template)
+        backend = self.backend
+        return lambda: compile_graph(backend, *args, process, cpp_wrapper, size)
+
+    def compile_args(self, variant, template=None) -> tuple:
+        """What a compile of ``variant`` takes: (specs, ext metas, live metas, plan, the
+        specialized floats, device map, kernels)."""
         live, _, spec_values = variant  # computed from the current plan just before
-        specs, ext_metas, the_plan, backend = self.specs, self.ext_metas, self.plan, self.backend
+        specs, ext_metas = self.specs, self.ext_metas
         live_metas = {i: self.val_meta[i] for i in live}
         if template is not None:
             specs, ext_metas, live_metas = template
-        device_map, kernels = self.device_map, self.kernels
-        return lambda: compile_graph(backend, specs, ext_metas, live_metas, the_plan,
-                                     spec_values, device_map, kernels, process, cpp_wrapper,
-                                     size)
+        return (specs, ext_metas, live_metas, self.plan, spec_values, self.device_map,
+                self.kernels)
 
     def graph_key(self, variant, symbolic: bool = False) -> GraphKey:
         return GraphKey(self.key + (("symbolic",) if symbolic else ()), self.backend, variant)
@@ -266,8 +274,12 @@ def after_end(mode, node: Node, was_hot: bool, seconds: float) -> None:
         if path.tentative:  # Note [Warm start]: an earlier run saw it; this one sees it recur
             path.tentative += 1
             if path.tentative > mode.config.hot_threshold:
-                path.tentative, path.fused_off = 0, ""
-                _warm(mode, node, path, marked=True)
+                path.tentative = 0
+                if path.fused_off:  # replayed exactly so far: its graph is requested now
+                    path.fused_off = ""
+                    _warm(mode, node, path, marked=True)
+                else:  # its graph was kept: hot like any path, and kept as one
+                    warm.keep(mode, path)
             return
         if path.state == HOT and path.last_fused:
             path.hot_times.append(seconds)
@@ -281,6 +293,9 @@ def after_end(mode, node: Node, was_hot: bool, seconds: float) -> None:
     path.observe(mode.seg.floats)
     if not was_hot:
         path.cold_times.append(seconds)
+    if mode.warm is not None and path.state == COLD and path.backend != "exact":
+        S = mode.seg
+        path.cold_live = tuple(i for i in path.fresh if S.alive(i))
     if path.state == COLD:
         mode.learning += 1  # on its way to hot: recorded, checked, soon replayed
     if (path.state == COLD and path.backend == "inductor" and mode.config.compile_process
@@ -478,6 +493,11 @@ def graph_for(mode, path: Path, live: tuple):
         variant = path.variant(live, seg.floats, mode.pick_floats)
         key = path.variants.get(variant)
     graph = mode.cache.get(key) if key is not None else None
+    if graph is None and path.tentative:
+        # Note [Warm start]: seen in an earlier run, whose graph of it does not serve this
+        # launch: nothing is compiled for it before it recurs in this run
+        counters.fallback(f"no fused graph ({warm.SEEN}): replayed exactly")
+        return None
     if graph is not None:
         counters.cache_hits += 1
         if debug >= 3:

@@ -24,8 +24,13 @@ first hot run would otherwise build inside a step: the exact replay's code, the 
 key's compiled steps and plans, the graph-input plan. So the program's first occurrence of a
 known step replays at once, fused where its graph was kept, exactly otherwise. Paths that
 ended without recurring are kept at exit too (a training loop's first step, where the
-optimizer creates its state): restored, they replay exactly until they have ended
-``hot_threshold`` times in this run, then warm like any path. A restored path is still checked op
+optimizer creates its state), and the first ``SEEN_COMPILED`` of them are compiled then, for
+the fresh values alive at their latest end (recorded at each cold end, ``Path.cold_live``),
+within the exit's bounded wait. Restored, such a path replays fused where its kept graph
+serves the launch and exactly otherwise, and nothing is compiled for it until it has ended
+``hot_threshold`` times in this run; then it warms like any path (``tentative``). So a
+second run's first step, which a first run sees once, is one fused launch (the warm-start
+check's loop: its exact replay was ~3 ms of a 5-6 ms first step). A restored path is still checked op
 by op like any learned path: a program that changed diverges there and learns anew, and a
 record whose source files changed (size or time) is not restored at all, counted, so no op
 reports a line that moved. A restored graph file that is missing or fails to load is
@@ -39,6 +44,7 @@ store refuses any other) and after their checksum holds.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import io
 import os
@@ -216,6 +222,7 @@ def _sources(specs) -> dict:
 
 SEEN = "seen in an earlier run, not yet recurring in this one"
 SEEN_KEPT = 64  # paths seen but not hot kept per thread at exit (the most frequent first)
+SEEN_COMPILED = 4  # of those, compiled at exit (the most frequent, then the first learned)
 
 
 def keep(mode, path, seen: bool = False) -> None:
@@ -256,8 +263,42 @@ def keep_seen(mode) -> None:
         p = n.path
         if p is not None and p.state == COLD and n.ends and not n.blocked:
             seen.append((n.ends, p.gid, p))
+    compiles = SEEN_COMPILED if mode.config.cache_exit_s > 0 else 0
     for _, _, p in sorted(seen, key=lambda x: (-x[0], x[1]))[:SEEN_KEPT]:
+        if compiles and _compile_seen(mode, p):
+            compiles -= 1
         keep(mode, p, seen=True)
+
+
+def _compile_seen(mode, path) -> bool:
+    """Request the fused graph of a path seen in this run, for the next (its variant: the
+    fresh values alive at its latest end). True if requested. The exit waits for it, bounded
+    (``NEURON_ADAPTIVE_EAGER_CACHE_EXIT_S``), and writes it as any kept graph; the next run
+    replays the path fused from its first occurrence where that variant serves it."""
+    if path.backend == "exact" or path.fused_off or path.cold_live is None or path.variants:
+        return False
+    if path.reference is None or path.backend != "inductor" or not mode.config.compile_process:
+        return False  # only the compile process's graphs are kept
+    from adaptive_eager.scheduler.backends import (PROCESS_DEVICES, graph_device,
+                                                   remote_inductor_artifact)
+
+    try:
+        variant = path.variant(path.cold_live, path.reference)
+        args = path.compile_args(variant)
+    except Exception:  # a path whose graph cannot be planned: kept as an exact replay
+        return False
+    if graph_device(args[1], args[2], args[5]).type not in PROCESS_DEVICES:
+        return False
+    key = path.graph_key(variant)
+    st, cpp_wrapper = mode.warm, mode.config.cpp_wrapper
+
+    def job():  # the reply is written, not loaded (remote_inductor_artifact)
+        artifact = remote_inductor_artifact(*args, cpp_wrapper)
+        st.write("graphs", graph_digest(key), compile_process.dumps(artifact))
+
+    path.variants[variant] = key
+    mode.engine.compiler.request(key, job, collections.deque(), None)
+    return True
 
 
 def forget(mode, path) -> None:
@@ -352,6 +393,8 @@ def _graft(mode, record) -> str:
     if record["cut"] and not node.cut:
         node.cut = record["cut"]
     mode.counters.paths_restored += 1
+    if record["seen"] and record["variants"] and _load_seen(mode, path, node, record):
+        return ""
     if record["exact"]:
         path.fused_off = record["fused_off"]
         path.tentative = 1 if record["seen"] else 0
@@ -371,6 +414,7 @@ def _graft(mode, record) -> str:
             mode.cache.put(key, graph)
             graph.gid = path.gid
             mode.counters.graphs_loaded += 1
+            _rehearse(mode, path, graph)
             continue
         path.pending.add(variant)  # not kept (or unloadable): compiled as in a first run
         build = path.builder(variant, mode.config.compile_process, mode.config.cpp_wrapper)
@@ -383,6 +427,73 @@ def _graft(mode, record) -> str:
     _prebuild(mode, node)
     trie.changed()
     return ""
+
+
+def _load_seen(mode, path, node: Node, record) -> bool:
+    """A path seen in an earlier run whose graph was compiled at its exit (keep_seen): hot
+    with that graph, still tentative (nothing is compiled for it before it recurs here).
+    False where a graph does not load: it is restored as an exact replay instead."""
+    from . import lifecycle
+
+    loaded = []
+    for variant, digest in record["variants"]:
+        graph = _load_graph(mode, digest)
+        if graph is None:
+            return False
+        loaded.append((GraphKey(("warm", digest), path.backend, variant), graph))
+    for key, graph in loaded:
+        path.variants[key.variant] = key
+        mode.cache.put(key, graph)
+        graph.gid = path.gid
+        mode.counters.graphs_loaded += 1
+        _rehearse(mode, path, graph)
+    path.tentative, path.state = 1, lifecycle.HOT
+    lifecycle.mark_hot(mode, node)
+    path.plan  # noqa: B018 -- computed now, not in a step
+    path.exact_graph()  # a launch its graph does not serve replays exactly
+    _prebuild(mode, node)
+    trie.changed()
+    return True
+
+
+REHEARSAL_BYTES = 256 << 20  # the most scratch memory a rehearsal allocates
+
+
+def _rehearse(mode, path, graph) -> None:
+    """Run a loaded cpu graph once now, on zeros of its inputs' metadata, its results
+    dropped: its first run (its kernels' code and the memory they touch, first used) cost
+    2-5 ms where later runs cost 0.5 in the warm-start check's loop, and would otherwise be
+    paid inside the program's first step. Only where nothing can be observed: a cpu graph
+    (a device reports a kernel's error at a later sync), no dispatch mode or key active,
+    the generator's state restored after (a graph's random ops draw from it), bounded
+    scratch memory. A graph that raises on zeros is not rehearsed, counted."""
+    if graph.device.type != "cpu" or path.device_map is not None or graph.plan is None:
+        return
+    if torch._C._len_torch_dispatch_stack() or (mode._keyed is not None
+                                                and mode._keyed.is_on()):
+        return
+    from adaptive_eager.scheduler.backends import packed_floats
+
+    metas = ([path.ext_metas[k] for k in graph.plan.ext_inputs]
+             + [path.val_meta[i] for i in graph.live])
+    if any(m is None or m.device.type != "cpu" for m in metas):
+        return
+    if sum(m.numel_storage * m.dtype.itemsize for m in metas) > REHEARSAL_BYTES:
+        return
+    rng = torch.get_rng_state()
+    try:
+        inputs = [torch.zeros(m.numel_storage, dtype=m.dtype).as_strided(m.shape, m.stride,
+                                                                           m.offset)
+                  for m in metas]
+        if graph.plan.lifted:
+            values = [path.reference[n][j] for n, j in graph.plan.lifted]
+            inputs.insert(len(graph.plan.ext_inputs), packed_floats(values, graph.device))
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            graph.run(inputs)
+    except Exception as e:
+        mode.counters.fallback(f"warm start: a kept graph not rehearsed ({type(e).__name__})")
+    finally:
+        torch.set_rng_state(rng)
 
 
 def _prebuild(mode, end: Node) -> None:
