@@ -61,6 +61,10 @@ def parse(argv=None):
     p.add_argument("--full", action="store_true",
                    help="more rounds, the 0/10/50 us sweep, and up to 10 minutes of warm-up "
                         "per engine mode for its background compiles (quick: 180 s)")
+    p.add_argument("--runs", default="1",
+                   help="2: warm start, each workload in two fresh processes sharing one "
+                        "warm-start cache (benchmarks.warm_start; cpu and neuron unless "
+                        "--device names one)")
     p.add_argument("--json", metavar="PATH", help="write every raw figure and machine info")
     p.add_argument("--plot", metavar="PATH.png",
                    help="draw speedup vs launch latency and warm-up curves (needs matplotlib)")
@@ -69,6 +73,9 @@ def parse(argv=None):
     p.add_argument("--warmup-s", type=float, default=None, help=argparse.SUPPRESS)
     p.add_argument("--warm-steps", type=int, default=WARM_STEPS, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.runs not in ("1", "2"):
+        p.error(f"--runs {a.runs!r} is not accepted; accepted: 1, 2")
+    a.runs = int(a.runs)
     if a.device not in DEVICES:
         p.error(f"--device {a.device!r} is not accepted; accepted: {', '.join(DEVICES)}")
     from benchmarks.workloads import SIZED, workload
@@ -652,9 +659,30 @@ def plot(rows, path):
     fig.savefig(path, dpi=120)
 
 
+def _warm_start(a, argv) -> int:
+    """``--runs 2``: the warm-start table (benchmarks.warm_start) for the workloads asked."""
+    from benchmarks import warm_start
+
+    if a.device not in ("cpu", "neuron"):
+        print(f"python -m benchmarks: --runs 2 measures cpu and neuron, not {a.device!r}",
+              file=sys.stderr)
+        return 2
+    explicit = any(x == "--device" or x.startswith("--device=") for x in argv)
+    workloads = [w for w in warm_start.WORKLOADS if w in a.workloads]
+    if not workloads:
+        print(f"python -m benchmarks: --runs 2 measures {', '.join(warm_start.WORKLOADS)}",
+              file=sys.stderr)
+        return 2
+    return warm_start.main(["--workloads", ",".join(workloads),
+                            "--devices", a.device if explicit else "cpu,neuron",
+                            "--launch-us", f"{a.launch_us[0]:g}"])
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     a = parse(argv)
+    if a.runs == 2:
+        return _warm_start(a, argv)
     warnings.filterwarnings("ignore")
     # The engine's hot path is what is measured: its step governor (which steps aside where
     # it measures itself slower than eager) is off, so where it loses, the table shows it.

@@ -97,6 +97,7 @@ def test_torch_compile_runs(device, tmp_path):
     (["--launch-us", "10,fast"], "'10,fast'", "a comma list of numbers >= 0"),
     (["--repeat", "0"], "'0'", "an integer >= 1"),
     (["--device", "cpu", "--launch-us", "5"], "'5'", "--device neuron only"),
+    (["--runs", "3"], "'3'", "accepted: 1, 2"),
 ])
 def test_bad_flags_name_the_value_and_the_accepted_ones(args, bad, accepted, capsys):
     with pytest.raises(SystemExit) as e:
@@ -104,6 +105,23 @@ def test_bad_flags_name_the_value_and_the_accepted_ones(args, bad, accepted, cap
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert bad in err and accepted in err
+
+
+def test_two_runs_measure_the_warm_start(monkeypatch):
+    # --runs 2 is the warm-start table (benchmarks.warm_start): every device it measures
+    # unless --device names one, the workloads asked that it knows
+    from benchmarks import warm_start
+
+    calls = []
+    monkeypatch.setattr(warm_start, "main", lambda argv: calls.append(argv) or 0)
+    assert suite.main(["--runs", "2"]) == 0
+    assert suite.main(["--runs", "2", "--device", "cpu", "--workloads",
+                       "mlp-train,chain-large"]) == 0
+    assert calls[0][calls[0].index("--devices") + 1] == "cpu,neuron"
+    assert calls[0][calls[0].index("--workloads") + 1].split(",") == [
+        w for w in warm_start.WORKLOADS if w in suite.parse([]).workloads]
+    assert calls[1][calls[1].index("--devices") + 1] == "cpu"
+    assert calls[1][calls[1].index("--workloads") + 1] == "mlp-train"
 
 
 def test_floor_mode_returns_recorded_outputs_and_runs_nothing():

@@ -30,7 +30,9 @@ within the exit's bounded wait. Restored, such a path replays fused where its ke
 serves the launch and exactly otherwise, and nothing is compiled for it until it has ended
 ``hot_threshold`` times in this run; then it warms like any path (``tentative``). So a
 second run's first step, which a first run sees once, is one fused launch (the warm-start
-check's loop: its exact replay was ~3 ms of a 5-6 ms first step). A restored path is still checked op
+check's loop: its exact replay was ~3 ms of a 5-6 ms first step). Each loaded cpu graph
+also runs once at restore on zeros (``_rehearse``): its first run cost 2-5 ms where later
+ones cost 0.5. A restored path is still checked op
 by op like any learned path: a program that changed diverges there and learns anew, and a
 record whose source files changed (size or time) is not restored at all, counted, so no op
 reports a line that moved. A restored graph file that is missing or fails to load is
