@@ -136,6 +136,7 @@ class Path:
         # like any path once it has ended hot_threshold times in this run (1 + its ends)
         self.tentative = 0
         self.unkept = False  # its record could not be written (counted once)
+        self.rekeep = False  # variants requested since its record was written (warm.keep)
         # with warm start, the fresh values alive at its latest cold end: what a graph of it
         # compiled at exit returns (Note [Warm start], warm.keep_seen)
         self.cold_live = None
@@ -384,8 +385,9 @@ def request(mode, path: Path, variant, template=None, size=None, key=None) -> No
     if mode.warm is not None:  # the graph's file is written when it is built
         build = warm.persisting(build, key, mode.warm)
     mode.engine.compiler.request(key, build, mode.inbox, (mode.generation, path, variant))
-    if path.state == HOT:  # a new variant of a hot path: its record names it
-        warm.keep(mode, path)
+    # its record names every variant, rewritten at exit (not here: pickling a record inside a
+    # step cost a 65-op path 6 ms): a variant first launched while the path was warm is kept
+    path.rekeep = path.state != COLD
 
 
 def install(mode) -> None:

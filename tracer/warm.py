@@ -228,11 +228,12 @@ SEEN_COMPILED = 4  # of those, compiled at exit (the most frequent, then the fir
 
 
 def keep(mode, path, seen: bool = False) -> None:
-    """Write ``path``'s record (it went warm or hot, or gained a variant; ``seen``: it ended
-    in this run without recurring enough to go hot)."""
+    """Write ``path``'s record (it went warm or hot; at exit, if it gained a variant since;
+    ``seen``: it ended in this run without recurring enough to go hot)."""
     st = mode.warm
     if st is None or path.unkept:
         return
+    path.rekeep = False
     exact = seen or path.backend == "exact" or bool(path.fused_off)
     if path.fused_off == "its compile failed":
         return  # maybe a passing cause (the compile process died): learned again next time
@@ -253,8 +254,9 @@ def keep(mode, path, seen: bool = False) -> None:
 def keep_seen(mode) -> None:
     """At exit: keep the paths that ended in this run without going hot (a training loop's
     first step, whose optimizer creates its state, is one), so that a later run replays
-    them too. At most ``SEEN_KEPT``, the most often ended first."""
-    from .lifecycle import COLD
+    them too; at most ``SEEN_KEPT``, the most often ended first. And write again the record
+    of each warm or hot path that requested a variant since it was written."""
+    from .lifecycle import COLD, HOT, WARM
 
     if mode.warm is None:
         return
@@ -265,6 +267,8 @@ def keep_seen(mode) -> None:
         p = n.path
         if p is not None and p.state == COLD and n.ends and not n.blocked:
             seen.append((n.ends, p.gid, p))
+        elif p is not None and p.rekeep and p.state in (WARM, HOT) and p.end is n:
+            keep(mode, p)
     compiles = SEEN_COMPILED if mode.config.cache_exit_s > 0 else 0
     for _, _, p in sorted(seen, key=lambda x: (-x[0], x[1]))[:SEEN_KEPT]:
         if compiles and _compile_seen(mode, p):
@@ -465,19 +469,23 @@ def _rehearse(mode, path, graph) -> None:
     """Run a loaded cpu graph once now, on zeros of its inputs' metadata, its results
     dropped: its first run (its kernels' code and the memory they touch, first used) cost
     2-5 ms where later runs cost 0.5 in the warm-start check's loop, and would otherwise be
-    paid inside the program's first step. Only where nothing can be observed: a cpu graph
-    (a device reports a kernel's error at a later sync), no dispatch mode or key active,
-    the generator's state restored after (a graph's random ops draw from it), bounded
-    scratch memory. A graph that raises on zeros is not rehearsed, counted."""
-    if graph.device.type != "cpu" or path.device_map is not None or graph.plan is None:
+    paid inside the program's first step. Only where nothing can be observed: a graph whose
+    kernels run on the CPU (cpu, or an emulated device's backing tensors, which the
+    rehearsal hands it directly: no device is involved, whose errors would surface at a
+    later sync), no dispatch mode or key active, the generator's state restored after (a
+    graph's random ops draw from it), bounded scratch memory. A graph that raises on zeros
+    is not rehearsed, counted."""
+    if graph.device.type != "cpu" or graph.plan is None:
         return
     if torch._C._len_torch_dispatch_stack() or (mode._keyed is not None
                                                 and mode._keyed.is_on()):
         return
     from adaptive_eager.scheduler.backends import packed_floats
+    from adaptive_eager.scheduler.program import meta_on
 
-    metas = ([path.ext_metas[k] for k in graph.plan.ext_inputs]
-             + [path.val_meta[i] for i in graph.live])
+    metas = [meta_on(m, path.device_map) if m is not None else None
+             for m in [path.ext_metas[k] for k in graph.plan.ext_inputs]
+             + [path.val_meta[i] for i in graph.live]]
     if any(m is None or m.device.type != "cpu" for m in metas):
         return
     if sum(m.numel_storage * m.dtype.itemsize for m in metas) > REHEARSAL_BYTES:
