@@ -294,8 +294,9 @@ def after_end(mode, node: Node, was_hot: bool, seconds: float) -> None:
     path.observe(mode.seg.floats)
     if not was_hot:
         path.cold_times.append(seconds)
-    if mode.warm is not None and path.state == COLD and path.backend != "exact":
-        S = mode.seg
+    if (mode.warm is not None and path.state == COLD and path.backend == "inductor"
+            and mode.config.compile_process and not node.blocked):
+        S = mode.seg  # what warm.keep_seen may compile at exit (Note [Warm start])
         path.cold_live = tuple(i for i in path.fresh if S.alive(i))
     if path.state == COLD:
         mode.learning += 1  # on its way to hot: recorded, checked, soon replayed

@@ -281,10 +281,9 @@ def _compile_seen(mode, path) -> bool:
     fresh values alive at its latest end). True if requested. The exit waits for it, bounded
     (``NEURON_ADAPTIVE_EAGER_CACHE_EXIT_S``), and writes it as any kept graph; the next run
     replays the path fused from its first occurrence where that variant serves it."""
-    if path.backend == "exact" or path.fused_off or path.cold_live is None or path.variants:
+    # only the compile process's graphs are kept; cold_live is recorded for those paths only
+    if path.fused_off or path.cold_live is None or path.variants or path.reference is None:
         return False
-    if path.reference is None or path.backend != "inductor" or not mode.config.compile_process:
-        return False  # only the compile process's graphs are kept
     from adaptive_eager.scheduler.backends import (PROCESS_DEVICES, graph_device,
                                                    remote_inductor_artifact)
 
@@ -293,7 +292,8 @@ def _compile_seen(mode, path) -> bool:
         args = path.compile_args(variant)
     except Exception:  # a path whose graph cannot be planned: kept as an exact replay
         return False
-    if graph_device(args[1], args[2], args[5]).type not in PROCESS_DEVICES:
+    _, ext_metas, live_metas, _, _, device_map, _ = args
+    if graph_device(ext_metas, live_metas, device_map).type not in PROCESS_DEVICES:
         return False
     key = path.graph_key(variant)
     st, cpp_wrapper = mode.warm, mode.config.cpp_wrapper
@@ -417,10 +417,7 @@ def _graft(mode, record) -> str:
         path.variants[variant] = key
         graph = _load_graph(mode, digest)
         if graph is not None:
-            mode.cache.put(key, graph)
-            graph.gid = path.gid
-            mode.counters.graphs_loaded += 1
-            _rehearse(mode, path, graph)
+            _install(mode, path, key, graph)
             continue
         path.pending.add(variant)  # not kept (or unloadable): compiled as in a first run
         build = path.builder(variant, mode.config.compile_process, mode.config.cpp_wrapper)
@@ -449,10 +446,7 @@ def _load_seen(mode, path, node: Node, record) -> bool:
         loaded.append((GraphKey(("warm", digest), path.backend, variant), graph))
     for key, graph in loaded:
         path.variants[key.variant] = key
-        mode.cache.put(key, graph)
-        graph.gid = path.gid
-        mode.counters.graphs_loaded += 1
-        _rehearse(mode, path, graph)
+        _install(mode, path, key, graph)
     path.tentative, path.state = 1, lifecycle.HOT
     lifecycle.mark_hot(mode, node)
     path.plan  # noqa: B018 -- computed now, not in a step
@@ -460,6 +454,14 @@ def _load_seen(mode, path, node: Node, record) -> bool:
     _prebuild(mode, node)
     trie.changed()
     return True
+
+
+def _install(mode, path, key: GraphKey, graph) -> None:
+    """A loaded graph of ``path``, served from the graph cache under ``key``."""
+    mode.cache.put(key, graph)
+    graph.gid = path.gid
+    mode.counters.graphs_loaded += 1
+    _rehearse(mode, path, graph)
 
 
 REHEARSAL_BYTES = 256 << 20  # the most scratch memory a rehearsal allocates
